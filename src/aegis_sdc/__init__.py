@@ -1,0 +1,85 @@
+"""aegis-sdc: online detection of silent data corruption in PyTorch training.
+
+import aegis_sdc as aegis
+guard = aegis.protect(model, optimizer=optimizer)   # every nn.Linear is now checked
+...train as usual...
+guard.close()                                       # verify what is pending, restore the model
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from aegis_sdc.config import (
+    EXIT_CODE_SDC,
+    ChecksumConfig,
+    GuardConfig,
+    ResponseConfig,
+    SamplingConfig,
+    ThresholdConfig,
+    VerifyConfig,
+)
+from aegis_sdc.events import (
+    Channel,
+    Evidence,
+    GemmKind,
+    Incident,
+    RankIdentity,
+    Site,
+    Tile,
+    Verdict,
+    VerdictKind,
+    VTask,
+    WrongExecution,
+)
+from aegis_sdc.faults.models import FaultSpec
+from aegis_sdc.guard import Guard, GuardSummary, StepReport
+from aegis_sdc.response.policies import SilentDataCorruptionError, SilentDataCorruptionWarning
+
+
+def protect(
+    model,
+    optimizer=None,
+    config: GuardConfig | None = None,
+    *,
+    filter=None,
+    start_step: int = 0,
+) -> Guard:
+    """Check every `nn.Linear` of `model` (those `config.include`/`exclude` and `filter` keep).
+
+    With an `optimizer`, the end of each step is its `step()`: evidence is judged and vTasks are
+    verified in its pre-hook, before any weight changes. Without one, call `guard.step()` once per
+    training step. `filter(name, linear) -> bool` narrows the choice further. `start_step` numbers
+    the first step (for resumed runs). Returns the `Guard`; `guard.close()` (or leaving its `with`
+    block) verifies what is pending and restores the original modules.
+    """
+    return Guard(model, optimizer=optimizer, config=config, filter=filter, start_step=start_step)
+
+
+__all__ = [
+    "EXIT_CODE_SDC",
+    "Channel",
+    "ChecksumConfig",
+    "Evidence",
+    "FaultSpec",
+    "GemmKind",
+    "Guard",
+    "GuardConfig",
+    "GuardSummary",
+    "Incident",
+    "RankIdentity",
+    "ResponseConfig",
+    "SamplingConfig",
+    "SilentDataCorruptionError",
+    "SilentDataCorruptionWarning",
+    "Site",
+    "StepReport",
+    "ThresholdConfig",
+    "Tile",
+    "VTask",
+    "Verdict",
+    "VerdictKind",
+    "VerifyConfig",
+    "WrongExecution",
+    "protect",
+]

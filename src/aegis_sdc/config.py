@@ -1,0 +1,218 @@
+"""Configuration: frozen dataclasses that reject bad values with a message naming the field.
+
+Every constant has a default chosen for LLM training and a comment saying why; docs/configuration.md
+lists them all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aegis_sdc.faults.models import FaultSpec
+
+CHECK_MODES = ("row", "row+col")
+POLICIES = ("warn", "raise", "exit", "skip-step")
+
+# Exit status of a process stopped by the `exit` policy. Schedulers can requeue the job on other
+# hardware when they see it; it is outside the shell's 126–165 and sysexits' 64–78 ranges.
+EXIT_CODE_SDC = 86
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ChecksumConfig:
+    """Which checksums each GEMM of a Linear takes: ``row`` or ``row+col``.
+
+    Row checks catch any single corrupted element of any GEMM. Column checks add a second,
+    independent view and localize the corrupted element to a tile. wgrad defaults to ``row+col``
+    because both its operands are activations: the tile localization lets its replay context be two
+    small slabs instead of a whole activation held until the end of the step.
+    """
+
+    forward: str = "row"
+    dgrad: str = "row"
+    wgrad: str = "row+col"
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "dgrad", "wgrad"):
+            value = getattr(self, name)
+            _require(value in CHECK_MODES, f"ChecksumConfig.{name} must be one of {CHECK_MODES}, got {value!r}")
+
+    @classmethod
+    def all(cls, mode: str) -> ChecksumConfig:
+        return cls(forward=mode, dgrad=mode, wgrad=mode)
+
+
+@dataclass(frozen=True)
+class ThresholdConfig:
+    """Per-site adaptive thresholds on the normalized checksum difference (units of u·s, u = 2⁻²⁴).
+
+    - `calibration_checks`: the first clean checks of a site set its base threshold. 16 is enough:
+      the statistic is already a maximum over thousands of rows, so its spread between calls is
+      narrow; during calibration the exact worst-case rounding bound acts as the threshold.
+    - `margin`: base = margin × median(calibration). The median is robust to a fault during
+      calibration. Measured on the workload (docs/thresholds.md), the largest clean value over
+      thousands of checks stays below 2× the calibration median; 4 leaves room for drift while a
+      fault of r = 1 (the AEGIS unit: the whole clean checksum noise) still lands far above it.
+    - `backoff`: a false alarm multiplies the site's threshold by this (2: the issue's doubling).
+    - `relax_window`: after this many consecutive clean checks the threshold halves back toward its
+      base; 200 checks are a few hundred steps, long enough that one noisy batch cannot flap it.
+    - `floor`: no threshold goes below one unit of fp32 rounding of the operands.
+    """
+
+    calibration_checks: int = 16
+    margin: float = 4.0
+    backoff: float = 2.0
+    relax_window: int = 200
+    floor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.calibration_checks >= 1, "ThresholdConfig.calibration_checks must be >= 1")
+        _require(math.isfinite(self.margin) and self.margin >= 1.0, "ThresholdConfig.margin must be >= 1")
+        _require(math.isfinite(self.backoff) and self.backoff > 1.0, "ThresholdConfig.backoff must be > 1")
+        _require(self.relax_window >= 1, "ThresholdConfig.relax_window must be >= 1")
+        _require(math.isfinite(self.floor) and self.floor > 0, "ThresholdConfig.floor must be > 0")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Probability that a call of a site runs the checked kernel (others run the fast path).
+
+    `per_site` maps fnmatch patterns over site names to probabilities; the first match wins.
+    Calibration checks are always taken. Decisions are a pure function of (seed, site, step, call).
+    """
+
+    probability: float = 1.0
+    per_site: tuple[tuple[str, float], ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        rules = self.per_site.items() if isinstance(self.per_site, Mapping) else self.per_site
+        rules = tuple((str(p), float(q)) for p, q in rules)
+        object.__setattr__(self, "per_site", rules)
+        for pattern, probability in (("*default*", self.probability), *rules):
+            _require(
+                0.0 <= probability <= 1.0,
+                f"SamplingConfig probability for {pattern!r} must lie in [0, 1], got {probability}",
+            )
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """When and how vTasks are replayed.
+
+    - `time_budget_ms`: replay time allowed per step for vTasks that hold no reference to a weight;
+      vTasks that reference a weight are always replayed before the optimizer step, budget or not.
+      50 ms is under 5% of a typical 1–2 s LLM training step.
+    - `max_backlog`: past this many pending vTasks the oldest are replayed regardless of the budget,
+      bounding the memory held by replay contexts.
+    - `row_block` / `col_block`: the tile of the reference GEMM; the replay unit and the size of a
+      replay context (a row block of A, a column block of B).
+    """
+
+    time_budget_ms: float = 50.0
+    max_backlog: int = 64
+    row_block: int = 128
+    col_block: int = 128
+
+    def __post_init__(self) -> None:
+        _require(
+            math.isfinite(self.time_budget_ms) and self.time_budget_ms >= 0,
+            "VerifyConfig.time_budget_ms must be >= 0",
+        )
+        _require(self.max_backlog >= 0, "VerifyConfig.max_backlog must be >= 0")
+        _require(self.row_block >= 1 and self.col_block >= 1, "VerifyConfig tile blocks must be >= 1")
+
+
+@dataclass(frozen=True)
+class ResponseConfig:
+    """What happens on a confirmed SDC (after the incident is committed to the store).
+
+    - ``warn``: log and emit a `SilentDataCorruptionWarning`; training continues.
+    - ``raise``: raise `SilentDataCorruptionError` (carrying the incident) from `optimizer.step()`,
+      before the corrupted gradients are applied.
+    - ``exit``: exit the process with `exit_code` (default 86, `EXIT_CODE_SDC`).
+    - ``skip-step``: warn and drop this step's gradients so the optimizer skips the update.
+
+    With `quarantine` the device is appended to a JSON-lines quarantine list (default
+    ``RUN_DIR/quarantine.jsonl``), written atomically.
+    """
+
+    policy: str = "warn"
+    quarantine: bool = True
+    quarantine_path: str | None = None
+    exit_code: int = EXIT_CODE_SDC
+
+    def __post_init__(self) -> None:
+        _require(self.policy in POLICIES, f"ResponseConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        _require(1 <= self.exit_code <= 255, "ResponseConfig.exit_code must lie in 1..255")
+
+
+def default_run_dir() -> str:
+    """``aegis-runs/<run id>``; the id comes from AEGIS_RUN_ID, torchrun's run id, or the start time."""
+    run_id = os.environ.get("AEGIS_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or run_id == "none":
+        run_id = time.strftime("run-%Y%m%d-%H%M%S")
+    return os.path.join("aegis-runs", run_id)
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Everything `aegis_sdc.protect()` needs. All fields have defaults; see docs/configuration.md.
+
+    - `include` / `exclude`: fnmatch patterns over module names choosing which Linears to protect.
+    - `run_dir`: where the per-rank SQLite store, plots and quarantine list go.
+    - `max_pending_calls`: checked calls buffered before an automatic flush when no optimizer step
+      comes (inference loops); one host sync per flush.
+    """
+
+    checksum: ChecksumConfig = field(default_factory=ChecksumConfig)
+    thresholds: ThresholdConfig = field(default_factory=ThresholdConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    response: ResponseConfig = field(default_factory=ResponseConfig)
+    faults: tuple[FaultSpec, ...] = ()
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    run_dir: str | None = None
+    max_pending_calls: int = 4096
+
+    def __post_init__(self) -> None:
+        for name, kind in (
+            ("checksum", ChecksumConfig),
+            ("thresholds", ThresholdConfig),
+            ("sampling", SamplingConfig),
+            ("verify", VerifyConfig),
+            ("response", ResponseConfig),
+        ):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, kind),
+                f"GuardConfig.{name} must be a {kind.__name__}, got {type(value).__name__}",
+            )
+        object.__setattr__(self, "faults", tuple(self.faults))
+        for fault in self.faults:
+            _require(
+                isinstance(fault, FaultSpec),
+                f"GuardConfig.faults must hold FaultSpec, got {type(fault).__name__}",
+            )
+        for name in ("include", "exclude"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            object.__setattr__(self, name, tuple(value))
+        _require(self.max_pending_calls >= 1, "GuardConfig.max_pending_calls must be >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        import dataclasses
+
+        return dataclasses.asdict(self)

@@ -1,0 +1,50 @@
+"""The fault injector: decides, per call of a site, whether a fault fires, and keeps the ground truth.
+
+The log of fired faults is what campaigns and tests compare detections against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aegis_sdc.faults.models import AccumulatorFault, FaultSpec, resolve
+
+
+@dataclass
+class Injection:
+    """One fired fault. `fault` is final once the op has run (a provisional perturb is rescaled)."""
+
+    site: str
+    step: int
+    call: int
+    fault: AccumulatorFault
+
+
+class FaultInjector:
+    def __init__(self, specs: tuple[FaultSpec, ...] = ()) -> None:
+        self.specs = tuple(specs)
+        self.log: list[Injection] = []
+        self._matches: dict[str, tuple[FaultSpec, ...]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def specs_for(self, site_name: str) -> tuple[FaultSpec, ...]:
+        found = self._matches.get(site_name)
+        if found is None:
+            found = self._matches[site_name] = tuple(s for s in self.specs if s.matches(site_name))
+        return found
+
+    def fire(self, site, step: int, call: int, median_l2: float | None) -> Injection | None:
+        """The fault to apply to this call, or None. `site` is an events.Site."""
+        if not self.specs:
+            return None
+        for spec in self.specs_for(site.name):
+            if spec.fires(site.id, step, call):
+                # Before the site knows its median clean difference, delta is provisional (1.0 per
+                # unit of scale); the op rescales it by the call's own clean difference.
+                fault = resolve(spec, site.id, step, call, median_l2 if median_l2 is not None else 1.0)
+                injection = Injection(site.name, step, call, fault)
+                self.log.append(injection)
+                return injection
+        return None

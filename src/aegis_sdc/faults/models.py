@@ -1,0 +1,130 @@
+"""Fault models: what a faulty matrix unit does to a GEMM's fp32 accumulator.
+
+A fault is applied to one element of the fp32 accumulator *before* the checksum is taken and before
+the result is rounded to the output dtype: the model of a defective MMA unit whose wrong partial
+product lands in the accumulator. Two models:
+
+- ``bitflip``: flip bit `bit` of the fp32 accumulator element (0 = mantissa LSB, 23–30 exponent,
+  31 sign).
+- ``perturb``: add ±`scale`·m to the element, where m is the site's median clean checksum
+  difference ‖C·1 − A·(B·1)‖₂ (the AEGIS fault-injection experiment). r = `scale` = 1 is a
+  corruption as large as the whole checksum noise of the GEMM, summed over all rows.
+
+Faults fire at chosen steps or with a probability per call, reproducibly from a seed. A fired
+fault is applied to the call whether or not the sampler checks it: an unsampled faulty call
+corrupts training unseen, exactly as a real faulty device would.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+
+from aegis_sdc.hashing import unit_hash
+
+MODELS = ("bitflip", "perturb")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One fault to inject. `site` is an fnmatch pattern over site names (``layers.1.mlp.*:fwd``)."""
+
+    site: str
+    model: str = "perturb"
+    scale: float = 4.0  # perturb: |δ| = scale × the site's median clean checksum difference
+    bit: int = 30  # bitflip: fp32 bit index; 30 is the exponent's top bit (a ×2¹²⁸-scale error)
+    steps: tuple[int, ...] = ()  # fire on the first call of the site at each of these steps ...
+    probability: float = 0.0  # ... or on each call with this probability
+    start_step: int = 0  # probability mode: first step at which the fault may fire
+    stop_step: int | None = None  # probability mode: first step at which it stops (None: never)
+    row: int | None = None  # accumulator element; drawn from the seed when None
+    col: int | None = None
+    seed: int = 0
+    affects_replay: bool = False  # a persistent fault: replays compute the same corruption
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.site, str) or not self.site:
+            raise ValueError("FaultSpec.site must be a non-empty fnmatch pattern over site names")
+        if self.model not in MODELS:
+            raise ValueError(f"FaultSpec.model must be one of {MODELS}, got {self.model!r}")
+        if not (0 <= self.bit <= 31):
+            raise ValueError(f"FaultSpec.bit must be an fp32 bit index in 0..31, got {self.bit}")
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"FaultSpec.scale must be finite and > 0, got {self.scale}")
+        if not (0.0 <= self.probability <= 1.0):
+            raise ValueError(f"FaultSpec.probability must lie in [0, 1], got {self.probability}")
+        object.__setattr__(self, "steps", tuple(int(s) for s in self.steps))
+        if any(s < 0 for s in self.steps):
+            raise ValueError("FaultSpec.steps must be non-negative step numbers")
+        if not self.steps and self.probability == 0.0:
+            raise ValueError("FaultSpec needs `steps` or a `probability` > 0, or it never fires")
+        if self.start_step < 0 or (self.stop_step is not None and self.stop_step <= self.start_step):
+            raise ValueError("FaultSpec needs 0 <= start_step < stop_step")
+        for name in ("row", "col"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"FaultSpec.{name} must be >= 0, got {value}")
+
+    def matches(self, site_name: str) -> bool:
+        return fnmatch.fnmatchcase(site_name, self.site)
+
+    def fires(self, site_id: int, step: int, call_in_step: int) -> bool:
+        if self.steps:
+            return call_in_step == 0 and step in self.steps
+        if step < self.start_step or (self.stop_step is not None and step >= self.stop_step):
+            return False
+        return unit_hash(self.seed, 0xFA17, site_id, step, call_in_step) < self.probability
+
+
+@dataclass(frozen=True)
+class AccumulatorFault:
+    """A fault resolved for one call: which accumulator element, and how it is corrupted.
+
+    `row_u` / `col_u` in [0, 1) pick the element when the spec left it free; the kernel resolves
+    them against the GEMM's shape through `element()`.
+    """
+
+    model: str
+    bit: int
+    delta: float | torch.Tensor  # perturb: the signed value added (a 0-d device tensor when scaled on device)
+    row: int | None
+    col: int | None
+    row_u: float
+    col_u: float
+    affects_replay: bool = False
+
+    def element(self, rows: int, cols: int) -> tuple[int, int]:
+        row = self.row if self.row is not None else int(self.row_u * rows)
+        col = self.col if self.col is not None else int(self.col_u * cols)
+        return min(row, rows - 1), min(col, cols - 1)
+
+    def corrupt(self, value: torch.Tensor) -> torch.Tensor:
+        """Corrupt a 0-d fp32 tensor and return the corrupted value."""
+        if self.model == "perturb":
+            return value + self.delta
+        mask = -(2**31) if self.bit == 31 else 1 << self.bit  # int32 two's complement for the sign bit
+        bits = value.reshape(1).view(torch.int32) ^ mask
+        return bits.view(torch.float32).reshape(())
+
+    def describe(self) -> str:
+        if self.model == "perturb":
+            return f"perturb {float(self.delta):+.4g}"  # delta may be a 0-d tensor (see ops)
+        return f"bitflip bit {self.bit}"
+
+
+def resolve(spec: FaultSpec, site_id: int, step: int, call_in_step: int, median_l2: float) -> AccumulatorFault:
+    """Draw the element and sign of one firing of `spec` (reproducible from its seed)."""
+    sign = 1.0 if unit_hash(spec.seed, 0x5161, site_id, step, call_in_step) < 0.5 else -1.0
+    return AccumulatorFault(
+        model=spec.model,
+        bit=spec.bit,
+        delta=sign * spec.scale * median_l2,
+        row=spec.row,
+        col=spec.col,
+        row_u=unit_hash(spec.seed, 0x0A11, site_id, step, call_in_step),
+        col_u=unit_hash(spec.seed, 0x0C01, site_id, step, call_in_step),
+        affects_replay=spec.affects_replay,
+    )

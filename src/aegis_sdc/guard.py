@@ -1,0 +1,389 @@
+"""The Guard: wires sensors → verifier → store → response around one model and optimizer.
+
+Per training step the hot path only records evidence on the device. At the end of the step (the
+optimizer's step pre-hook, or `Guard.step()` for loops without an optimizer) the guard:
+
+1. reads every checked call's evidence with a single host sync;
+2. judges it against the site's threshold; alarms become vTasks;
+3. lets the verifier replay vTasks (all that reference weights, others within the time budget);
+4. adapts thresholds on false alarms, turns confirmed verdicts into incidents;
+5. commits the step's statistics, vTasks, verdicts and incidents in one transaction;
+6. applies the response policy (which may raise before the optimizer applies corrupted gradients).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from aegis_sdc import __version__
+from aegis_sdc.config import GuardConfig, default_run_dir
+from aegis_sdc.distributed.identity import discover
+from aegis_sdc.events import (
+    Evidence,
+    GemmKind,
+    Incident,
+    RankIdentity,
+    Site,
+    Verdict,
+    VerdictKind,
+    VTask,
+)
+from aegis_sdc.faults.injector import FaultInjector
+from aegis_sdc.integrations.modules import LinearFilter, restore_linears, select_linears, swap_linears
+from aegis_sdc.kernels.reference import Tiling
+from aegis_sdc.ops.checked_linear import LinearHooks
+from aegis_sdc.response.policies import Responder
+from aegis_sdc.sensors.gemm import CallRecord, GemmSensor, StepClock
+from aegis_sdc.sensors.sampling import Sampler
+from aegis_sdc.store.sqlite import Store, rank_db_path
+from aegis_sdc.verify.verifier import Verifier
+
+Listener = Callable[[str, Any], None]
+
+
+@dataclass
+class StepReport:
+    step: int
+    checks: int = 0
+    alarms: list[VTask] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    incidents: list[Incident] = field(default_factory=list)
+    verify_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class GuardSummary:
+    steps: int
+    sites: int
+    checks: int
+    alarms: int
+    false_alarms: int
+    confirmed: int
+    not_verifiable: int
+    nonfinite_inputs: int
+    backlog: int
+    verified: int
+    max_latency_steps: int
+    max_latency_ms: float
+    replay_ms_total: float
+    faults_injected: int
+
+    @property
+    def false_alarm_rate(self) -> float:
+        """False alarms per checked call."""
+        return self.false_alarms / self.checks if self.checks else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        import dataclasses
+
+        return dataclasses.asdict(self) | {"false_alarm_rate": self.false_alarm_rate}
+
+
+class Guard:
+    """Protection of one model; use `aegis_sdc.protect()` to build one. A context manager."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        config: GuardConfig | None = None,
+        filter: LinearFilter | None = None,
+        identity: RankIdentity | None = None,
+        start_step: int = 0,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"protect() expects an nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        config = config or GuardConfig()
+        if not isinstance(config, GuardConfig):
+            raise TypeError(f"config must be a GuardConfig, got {type(config).__name__}")
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.identity = identity or discover(device)
+        self.run_dir = Path(config.run_dir or default_run_dir())
+        self.clock = StepClock()
+        self.clock.step = start_step
+        self.recorder: list[CallRecord] = []
+        self.sampler = Sampler(config.sampling.probability, config.sampling.per_site, config.sampling.seed)
+        self.injector = FaultInjector(config.faults)
+        self.sensors: list[GemmSensor] = []
+        self.verifier = Verifier(config.verify)
+        self.responder = Responder(
+            config.response, config.response.quarantine_path or str(self.run_dir / "quarantine.jsonl")
+        )
+        self.incidents: list[Incident] = []
+        self.counts: Counter[str] = Counter()
+        self._listeners: list[Listener] = []
+        self._tiling = Tiling(config.verify.row_block, config.verify.col_block)
+        self._injections_written = 0
+        self._steps_seen: set[int] = set()
+        self._pending_evidence: dict[int, Evidence] = {}  # vTask id → its evidence, until verified
+        self.closed = False
+
+        chosen = select_linears(model, config.include, config.exclude, filter)
+        if not chosen:
+            raise ValueError(
+                "protect() found no nn.Linear to protect (check GuardConfig.include/exclude and the filter)"
+            )
+        self.store = Store(rank_db_path(self.run_dir, self.identity.rank))
+        self._next_vtask = 1 + (self.store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM vtasks").fetchone()[0])
+        self._next_incident = 1 + (self.store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM incidents").fetchone()[0])
+        self._swaps = swap_linears(model, chosen, self._make_hooks)
+        self.store.write_run(self.identity.to_dict(), config.to_dict(), _versions())
+        self.store.write_sites(s.site for s in self.sensors)
+        self._handles = []
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._optimizer_pre_step))
+            self._handles.append(optimizer.register_step_post_hook(self._optimizer_post_step))
+
+    # -- construction ----------------------------------------------------------------------------
+    def _make_hooks(self, name: str, linear: nn.Linear) -> LinearHooks:
+        modes = self.config.checksum
+        sensors = []
+        for kind, mode in (
+            (GemmKind.FORWARD, modes.forward),
+            (GemmKind.DGRAD, modes.dgrad),
+            (GemmKind.WGRAD, modes.wgrad),
+        ):
+            sensor = GemmSensor(
+                Site(len(self.sensors), name, kind),
+                col_check=mode == "row+col",
+                thresholds=self.config.thresholds,
+                sampler=self.sampler,
+                injector=self.injector,
+                clock=self.clock,
+                recorder=self.recorder,
+            )
+            self.sensors.append(sensor)
+            sensors.append(sensor)
+        return LinearHooks(*sensors, tiling=self._tiling, after_call=self._after_call)
+
+    # -- public API ------------------------------------------------------------------------------
+    @property
+    def step_number(self) -> int:
+        return self.clock.step
+
+    @property
+    def sites(self) -> list[Site]:
+        return [s.site for s in self.sensors]
+
+    def sensor(self, site_name: str) -> GemmSensor:
+        for s in self.sensors:
+            if s.site.name == site_name:
+                return s
+        raise KeyError(f"no protected site named {site_name!r}")
+
+    def subscribe(self, listener: Listener) -> None:
+        """`listener(event, payload)` for events 'alarm' (VTask), 'verdict' (Verdict), 'incident', 'step'."""
+        self._listeners.append(listener)
+
+    def step(self) -> StepReport:
+        """End the current step and start the next; for training loops that pass no optimizer."""
+        report = self.end_step()
+        self._advance()
+        return report
+
+    def end_step(self) -> StepReport:
+        """Judge, verify, record and respond for everything recorded since the last call."""
+        self._require_open()
+        return self._process(drain=False)
+
+    def flush(self) -> StepReport:
+        """Like end_step, without advancing the step (inference loops; full buffers)."""
+        return self.end_step()
+
+    def summary(self) -> GuardSummary:
+        t = self.verifier.telemetry
+        c = self.counts
+        return GuardSummary(
+            steps=len(self._steps_seen),
+            sites=len(self.sensors),
+            checks=c["checks"],
+            alarms=c["alarms"],
+            false_alarms=c[VerdictKind.FALSE_ALARM.value],
+            confirmed=c[VerdictKind.CONFIRMED_SDC.value],
+            not_verifiable=c[VerdictKind.NOT_VERIFIABLE.value],
+            nonfinite_inputs=c[VerdictKind.NONFINITE_INPUT.value],
+            backlog=self.verifier.backlog,
+            verified=t.verified,
+            max_latency_steps=t.max_latency_steps,
+            max_latency_ms=t.max_latency_ms,
+            replay_ms_total=t.replay_ms_total,
+            faults_injected=len(self.injector.log),
+        )
+
+    def close(self) -> GuardSummary:
+        """Verify everything pending, restore the original modules, and finish the store."""
+        if self.closed:
+            return self.summary()
+        try:
+            self._process(drain=True)
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            restore_linears(self._swaps)
+            summary = self.summary()
+            self.store.finish_run(summary.to_dict())
+            self.store.close()
+            self.closed = True
+        return summary
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _require_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this Guard is closed")
+
+    def _advance(self) -> None:
+        self.clock.step += 1
+
+    def _optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.end_step()
+
+    def _optimizer_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._advance()
+
+    def _after_call(self) -> None:
+        if len(self.recorder) >= self.config.max_pending_calls:
+            self.flush()
+
+    def _emit(self, event: str, payload: Any) -> None:
+        for listener in self._listeners:
+            listener(event, payload)
+
+    def _process(self, *, drain: bool) -> StepReport:
+        step = self.clock.step
+        report = StepReport(step)
+        records = list(self.recorder)
+        self.recorder.clear()
+        # The one host sync of the step: every checked call's evidence vector at once.
+        synced = torch.stack([r.stats for r in records]).cpu().tolist() if records else []
+        report.checks = len(records)
+        evidence_of: dict[int, Evidence] = {}
+        for record, stats in zip(records, synced, strict=True):
+            evidence = record.sensor.judge(record, stats)
+            if evidence is not None:
+                task = VTask(self._next_vtask, evidence, record.capture)
+                self._next_vtask += 1
+                report.alarms.append(task)
+                evidence_of[task.id] = evidence
+        self._pending_evidence.update(evidence_of)
+        self.verifier.submit(report.alarms)
+        started = time.perf_counter()
+        report.verdicts = self.verifier.run(step, drain=drain)
+        report.verify_ms = (time.perf_counter() - started) * 1000.0
+
+        for verdict in report.verdicts:
+            evidence = self._pending_evidence.pop(verdict.vtask_id)
+            self.counts[verdict.kind.value] += 1
+            if verdict.kind is VerdictKind.FALSE_ALARM:
+                self.sensors[verdict.site.id].on_false_alarm(evidence)
+            elif verdict.kind is VerdictKind.CONFIRMED_SDC:
+                incident = Incident(self._next_incident, verdict.site, evidence.step, self.identity, evidence, verdict)
+                self._next_incident += 1
+                report.incidents.append(incident)
+        self.incidents.extend(report.incidents)
+        self.counts["checks"] += report.checks
+        self.counts["alarms"] += len(report.alarms)
+        if records or report.verdicts:
+            self._steps_seen.add(step)
+        self._record(report)
+
+        for task in report.alarms:
+            self._emit("alarm", task)
+        for verdict in report.verdicts:
+            self._emit("verdict", verdict)
+        for incident in report.incidents:
+            self._emit("incident", incident)
+        self._emit("step", report)
+        self.responder.respond(report.incidents, self.optimizer)
+        return report
+
+    def _record(self, report: StepReport) -> None:
+        step = report.step
+        store = self.store
+        with store.transaction():
+            store.write_step(
+                step,
+                checks=report.checks,
+                alarms=len(report.alarms),
+                verified=len(report.verdicts),
+                backlog=self.verifier.backlog,
+                verify_ms=report.verify_ms,
+            )
+            rows = []
+            for sensor in self.sensors:
+                st = sensor.take_step_stats()
+                if st.calls:
+                    rows.append(
+                        (
+                            step,
+                            sensor.site.id,
+                            st.calls,
+                            st.checks,
+                            st.alarms,
+                            st.faults,
+                            st.nonfinite,
+                            st.max_row if st.checks else None,
+                            st.max_col if st.checks and sensor.col_check else None,
+                            _finite(sensor.row.current),
+                            _finite(sensor.col.current) if sensor.col_check else None,
+                            int(sensor.row.calibrating),
+                        )
+                    )
+            store.write_step_stats(rows)
+            for task in report.alarms:
+                store.write_vtask(task)
+            for verdict in report.verdicts:
+                store.write_verdict(verdict, step)
+                if verdict.kind is VerdictKind.NONFINITE_INPUT:
+                    store.write_event(
+                        "nonfinite_input",
+                        f"NaN/Inf in the inputs of {verdict.site.name}: reported, not an SDC",
+                        step=verdict.step,
+                        site_id=verdict.site.id,
+                    )
+            for incident in report.incidents:
+                store.write_incident(incident)
+            for injection in self.injector.log[self._injections_written :]:
+                store.write_event(
+                    "fault_injected",
+                    f"{injection.fault.describe()} into {injection.site}",
+                    step=injection.step,
+                    site_id=self.sensor(injection.site).site.id,
+                    data={"call": injection.call, "model": injection.fault.model},
+                )
+            self._injections_written = len(self.injector.log)
+
+
+def _finite(value: float) -> float | None:
+    return value if value != float("inf") else None
+
+
+def _versions() -> dict[str, str]:
+    versions = {"aegis_sdc": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return versions

@@ -1,0 +1,266 @@
+"""The GEMM sensor: evidence from the checksums of one site, judged against the site's thresholds.
+
+Per checked call the sensor reduces the kernel's checksums to one small evidence vector
+(`evidence_stats`): the largest normalized row and column differences, where they are, the raw L2
+norms, a non-finite flag, and the thresholds in force. A call whose evidence crosses a threshold
+captures its replay context right away (the tensors it needs may be freed later in the step); the
+region captured depends on which checksum crossed (see ops/gemm_replay.py).
+
+On the reference path (CPU tensors) the comparison reads the evidence vector on the host: for a CPU
+tensor that is a memory read, not a device synchronization. The GPU path makes the same decision on
+the device. Either way the guard collects all evidence vectors of a step in one read at the end of
+the step, where statistics, calibration and vTasks are made.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from aegis_sdc.config import ThresholdConfig
+from aegis_sdc.events import Channel, Evidence, Site
+from aegis_sdc.faults.injector import FaultInjector, Injection
+from aegis_sdc.faults.models import AccumulatorFault
+from aegis_sdc.kernels.reference import TINY, U32, GemmChecksums
+from aegis_sdc.ops.gemm_replay import GemmCapture, GemmOperands
+from aegis_sdc.sensors.sampling import Sampler
+from aegis_sdc.sensors.thresholds import ThresholdState, worst_case_bound
+
+# Layout of the per-call evidence vector (float64 so that row/column indices stay exact).
+ROW_VALUE, ROW_INDEX, ROW_L2, COL_VALUE, COL_INDEX, COL_L2, NONFINITE, ROW_THRESHOLD, COL_THRESHOLD = range(9)
+STATS_LEN = 9
+
+# The median clean difference m that scales `perturb` faults follows training over this many recent
+# clean checks: raw differences grow with the activations, so a value frozen at calibration would
+# make "r × m" shrink relative to the noise as training goes on.
+L2_WINDOW = 16
+
+
+def evidence_stats(result: GemmChecksums, row_threshold: float, col_threshold: float) -> torch.Tensor:
+    """[STATS_LEN] float64 on the device (layout above)."""
+    d_row = (result.row_sum - result.row_ref).abs()  # [M]
+    row_norm = d_row / (U32 * result.row_scale).clamp_min(TINY)
+    row_value, row_index = row_norm.max(dim=0)  # NaN propagates: a NaN row is the maximum
+    finite = torch.isfinite(result.row_sum).all() & torch.isfinite(result.row_ref).all()
+    zero = torch.zeros((), dtype=torch.float64, device=d_row.device)
+    parts = [row_value.double(), row_index.double(), d_row.double().norm()]
+    if result.col_sum is not None:
+        d_col = (result.col_sum - result.col_ref).abs()  # [N]
+        col_norm = d_col / (U32 * result.col_scale).clamp_min(TINY)
+        col_value, col_index = col_norm.max(dim=0)
+        finite = finite & torch.isfinite(result.col_sum).all() & torch.isfinite(result.col_ref).all()
+        parts += [col_value.double(), col_index.double(), d_col.double().norm()]
+    else:
+        parts += [zero, zero, zero]
+    parts += [(~finite).double(), zero + row_threshold, zero + col_threshold]
+    return torch.stack(parts)
+
+
+def _exceeds(value: float, threshold: float) -> bool:
+    return value > threshold or math.isnan(value)
+
+
+class StepClock:
+    """The training step as the guard counts it; shared by every sensor."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+
+@dataclass
+class CallPlan:
+    site: Site
+    step: int
+    call: int  # index of this call of the site within the step
+    check: bool  # run the checked kernel and record evidence
+    col_check: bool
+    injection: Injection | None  # the fault injected into this call's accumulator, if any
+    fault_needs_scale: bool = False  # perturb fault before the site knows its median difference
+
+    @property
+    def fault(self) -> AccumulatorFault | None:
+        return None if self.injection is None else self.injection.fault
+
+
+@dataclass
+class CallRecord:
+    sensor: GemmSensor
+    plan: CallPlan
+    stats: torch.Tensor  # [STATS_LEN] float64
+    capture: GemmCapture | None  # the replay context, when the call crossed a threshold
+
+
+@dataclass
+class SiteStepStats:
+    """What one site did during one step (one row of the store's step_stats table)."""
+
+    calls: int = 0
+    checks: int = 0
+    alarms: int = 0
+    faults: int = 0
+    nonfinite: int = 0
+    max_row: float = 0.0
+    max_col: float = 0.0
+
+
+class GemmSensor:
+    """Sensor of one site (one GEMM of one Linear)."""
+
+    def __init__(
+        self,
+        site: Site,
+        *,
+        col_check: bool,
+        thresholds: ThresholdConfig,
+        sampler: Sampler,
+        injector: FaultInjector,
+        clock: StepClock,
+        recorder: list[CallRecord],
+    ) -> None:
+        self.site = site
+        self.col_check = col_check
+        self.sampler = sampler
+        self.probability = sampler.probability_for(site.name)
+        self.injector = injector
+        self.clock = clock
+        self.recorder = recorder
+        self.row = ThresholdState(thresholds, math.inf)
+        self.col = ThresholdState(thresholds, math.inf)
+        self._clean_l2: deque[float] = deque(maxlen=L2_WINDOW)
+        self._calibration_checks = thresholds.calibration_checks
+        self._call_step = -1
+        self._calls_in_step = 0
+        self.step_stats = SiteStepStats()
+
+    @property
+    def median_l2(self) -> float | None:
+        """Median raw ‖C·1 − A·(B·1)‖₂ over recent clean checks (None until calibrated)."""
+        if len(self._clean_l2) < min(self._calibration_checks, L2_WINDOW):
+            return None
+        return statistics.median(self._clean_l2)
+
+    # -- hot path ---------------------------------------------------------------------------------
+    def plan(self) -> CallPlan | None:
+        step = self.clock.step
+        if step != self._call_step:
+            self._call_step, self._calls_in_step = step, 0
+        call = self._calls_in_step
+        self._calls_in_step += 1
+        self.step_stats.calls += 1
+        injection = self.injector.fire(self.site, step, call, self.median_l2) if self.injector else None
+        check = self.row.calibrating or self.sampler.should_check(self.probability, self.site.id, step, call)
+        if injection is not None:
+            self.step_stats.faults += 1
+        if not check and injection is None:
+            return None
+        needs_scale = injection is not None and injection.fault.model == "perturb" and self.median_l2 is None
+        return CallPlan(self.site, step, call, check, self.col_check, injection, needs_scale)
+
+    def observe(self, plan: CallPlan, operands: GemmOperands, result: GemmChecksums) -> None:
+        if not plan.check:
+            return  # a fault fired on an unsampled call: it corrupts training unseen
+        m, k = operands.a.shape
+        n = operands.b.shape[1]
+        if self.row.hard_bound == math.inf:
+            self.row.hard_bound = self.row.current = worst_case_bound(k, n)
+            self.col.hard_bound = self.col.current = worst_case_bound(k, m)
+        self.step_stats.checks += 1
+        stats = evidence_stats(result, self.row.current, self.col.current if self.col_check else math.inf)
+        capture = self._capture_if_alarmed(stats, operands, result, plan)
+        self.recorder.append(CallRecord(self, plan, stats, capture))
+
+    def _capture_if_alarmed(
+        self, stats: torch.Tensor, operands: GemmOperands, result: GemmChecksums, plan: CallPlan
+    ) -> GemmCapture | None:
+        s = stats.tolist()  # reference path: a CPU read (see the module docstring)
+        row_alarm = s[NONFINITE] > 0 or _exceeds(s[ROW_VALUE], s[ROW_THRESHOLD])
+        col_alarm = self.col_check and _exceeds(s[COL_VALUE], s[COL_THRESHOLD])
+        if not (row_alarm or col_alarm):
+            return None
+        extent = "tile" if row_alarm and col_alarm and s[NONFINITE] == 0 else ("rows" if row_alarm else "cols")
+        return GemmCapture(
+            operands,
+            result,
+            extent=extent,
+            row_index=int(s[ROW_INDEX]),
+            col_index=int(s[COL_INDEX]),
+            fault=plan.fault,
+        )
+
+    # -- step end: host side ----------------------------------------------------------------------
+    def judge(self, record: CallRecord, stats: list[float]) -> Evidence | None:
+        """Update statistics and calibration; the Evidence if the call alarmed."""
+        row_value, col_value = stats[ROW_VALUE], stats[COL_VALUE]
+        st = self.step_stats
+        if record.capture is None:
+            st.max_row = max(st.max_row, row_value)
+            st.max_col = max(st.max_col, col_value)
+            self.row.observe_clean(row_value)
+            if self.col_check:
+                self.col.observe_clean(col_value)
+            self._clean_l2.append(stats[ROW_L2])
+            return None
+        st.alarms += 1
+        over = tuple(
+            channel
+            for channel, value, threshold in (
+                (Channel.ROW, row_value, stats[ROW_THRESHOLD]),
+                (Channel.COL, col_value, stats[COL_THRESHOLD]),
+            )
+            if _exceeds(value, threshold)
+        )
+        if stats[NONFINITE] > 0 or math.isnan(row_value) or math.isnan(col_value):
+            st.nonfinite += 1
+            channel, value, threshold, index, l2 = (
+                Channel.NONFINITE,
+                row_value,
+                stats[ROW_THRESHOLD],
+                stats[ROW_INDEX],
+                stats[ROW_L2],
+            )
+        else:
+            st.max_row = max(st.max_row, row_value)
+            st.max_col = max(st.max_col, col_value)
+            if _exceeds(row_value, stats[ROW_THRESHOLD]):
+                channel, value, threshold, index, l2 = (
+                    Channel.ROW,
+                    row_value,
+                    stats[ROW_THRESHOLD],
+                    stats[ROW_INDEX],
+                    stats[ROW_L2],
+                )
+            else:
+                channel, value, threshold, index, l2 = (
+                    Channel.COL,
+                    col_value,
+                    stats[COL_THRESHOLD],
+                    stats[COL_INDEX],
+                    stats[COL_L2],
+                )
+        return Evidence(
+            site=self.site,
+            step=record.plan.step,
+            call=record.plan.call,
+            channel=channel,
+            value=value,
+            threshold=threshold,
+            index=int(index),
+            raw_l2=l2,
+            tile=record.capture.region,
+            channels=over,
+        )
+
+    def on_false_alarm(self, evidence: Evidence) -> None:
+        """The replay reproduced every bit: widen each threshold the call crossed."""
+        if Channel.ROW in evidence.channels:
+            self.row.on_false_alarm(evidence.value if evidence.channel is Channel.ROW else self.row.current)
+        if Channel.COL in evidence.channels:
+            self.col.on_false_alarm(evidence.value if evidence.channel is Channel.COL else self.col.current)
+
+    def take_step_stats(self) -> SiteStepStats:
+        stats, self.step_stats = self.step_stats, SiteStepStats()
+        return stats

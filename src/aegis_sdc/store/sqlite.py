@@ -1,0 +1,368 @@
+"""The incident store: one SQLite database per rank in the run directory.
+
+- WAL journal, `synchronous=FULL`: a committed transaction survives `kill -9` of the process (and a
+  power loss); an uncommitted one vanishes whole, so a reader never sees half a step.
+- One transaction per training step (statistics, vTasks, verdicts, incidents together), plus an
+  immediate commit for each incident, so a crash loses at most the step in flight.
+- Versioned schema (`PRAGMA user_version`); opening a store written by a newer version fails with a
+  clear message instead of misreading it.
+- SQLite is unsafe on network file systems: keep the run directory on local disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+_SCHEMA_V1 = """
+CREATE TABLE run (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    started_wall REAL NOT NULL,
+    finished_wall REAL,
+    host TEXT NOT NULL, rank INTEGER NOT NULL, local_rank INTEGER NOT NULL, world_size INTEGER NOT NULL,
+    device TEXT NOT NULL, gpu_uuid TEXT,
+    config_json TEXT NOT NULL, versions_json TEXT NOT NULL, summary_json TEXT
+);
+CREATE TABLE sites (
+    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, module TEXT NOT NULL, kind TEXT NOT NULL, op TEXT NOT NULL
+);
+CREATE TABLE steps (
+    step INTEGER PRIMARY KEY, wall REAL NOT NULL, checks INTEGER NOT NULL, alarms INTEGER NOT NULL,
+    verified INTEGER NOT NULL, backlog INTEGER NOT NULL, verify_ms REAL NOT NULL
+);
+CREATE TABLE step_stats (
+    step INTEGER NOT NULL, site_id INTEGER NOT NULL REFERENCES sites(id),
+    calls INTEGER NOT NULL, checks INTEGER NOT NULL, alarms INTEGER NOT NULL, faults INTEGER NOT NULL,
+    nonfinite INTEGER NOT NULL, max_row REAL, max_col REAL, threshold_row REAL, threshold_col REAL,
+    calibrating INTEGER NOT NULL,
+    PRIMARY KEY (step, site_id)
+);
+CREATE TABLE vtasks (
+    id INTEGER PRIMARY KEY, site_id INTEGER NOT NULL REFERENCES sites(id), step INTEGER NOT NULL,
+    call INTEGER NOT NULL, channel TEXT NOT NULL, value REAL, threshold REAL, idx INTEGER, raw_l2 REAL,
+    tile_json TEXT, raised_wall REAL NOT NULL
+);
+CREATE TABLE verdicts (
+    vtask_id INTEGER PRIMARY KEY REFERENCES vtasks(id), kind TEXT NOT NULL, wrong_execution TEXT,
+    no_effect_on_output INTEGER NOT NULL, tiles_json TEXT NOT NULL, detail TEXT NOT NULL,
+    replay_ms REAL NOT NULL, latency_steps INTEGER NOT NULL, latency_ms REAL NOT NULL,
+    decided_step INTEGER NOT NULL, decided_wall REAL NOT NULL
+);
+CREATE TABLE incidents (
+    id INTEGER PRIMARY KEY, vtask_id INTEGER REFERENCES vtasks(id), site_id INTEGER NOT NULL REFERENCES sites(id),
+    step INTEGER NOT NULL, host TEXT NOT NULL, rank INTEGER NOT NULL, local_rank INTEGER NOT NULL,
+    device TEXT NOT NULL, gpu_uuid TEXT, record_json TEXT NOT NULL, created_wall REAL NOT NULL
+);
+CREATE TABLE events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER, site_id INTEGER, kind TEXT NOT NULL,
+    message TEXT NOT NULL, data_json TEXT, wall REAL NOT NULL
+);
+CREATE INDEX step_stats_site ON step_stats(site_id, step);
+CREATE INDEX incidents_step ON incidents(step);
+"""
+
+# Migrations from version N-1 to N, applied in order. Version 1 is the first schema.
+_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1}
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+def rank_db_path(run_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(run_dir) / f"aegis-rank{rank:05d}.sqlite"
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, timeout=30.0, isolation_level=None)  # explicit transactions only
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    return conn
+
+
+def _migrate(conn: sqlite3.Connection, path: Path) -> None:
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"{path} has schema version {version}, newer than this aegis-sdc understands ({SCHEMA_VERSION}); "
+            "upgrade aegis-sdc to read it"
+        )
+    for target in range(version + 1, SCHEMA_VERSION + 1):
+        # One script, one transaction: a crash mid-migration leaves the previous version intact.
+        try:
+            conn.executescript(f"BEGIN IMMEDIATE;\n{_MIGRATIONS[target]}\nPRAGMA user_version = {target};\nCOMMIT;")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+class Store:
+    """Writer of one rank's database."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = _connect(self.path)
+        _migrate(self.conn, self.path)
+        self._in_tx = False
+
+    # -- transactions ----------------------------------------------------------------------------
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        if self._in_tx:
+            yield self.conn
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        self._in_tx = True
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        else:
+            self.conn.execute("COMMIT")
+        finally:
+            self._in_tx = False
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # -- writers ---------------------------------------------------------------------------------
+    def write_run(self, identity: dict[str, Any], config: dict[str, Any], versions: dict[str, str]) -> None:
+        with self.transaction() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO run (id, started_wall, host, rank, local_rank, world_size, device, gpu_uuid,"
+                " config_json, versions_json) VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    time.time(),
+                    identity["host"],
+                    identity["rank"],
+                    identity["local_rank"],
+                    identity["world_size"],
+                    identity["device"],
+                    identity.get("gpu_uuid"),
+                    _dumps(config),
+                    _dumps(versions),
+                ),
+            )
+
+    def finish_run(self, summary: dict[str, Any]) -> None:
+        with self.transaction() as c:
+            c.execute(
+                "UPDATE run SET finished_wall = ?, summary_json = ? WHERE id = 1",
+                (time.time(), _dumps(summary)),
+            )
+
+    def write_sites(self, sites: Iterable[Any]) -> None:
+        with self.transaction() as c:
+            c.executemany(
+                "INSERT OR REPLACE INTO sites (id, name, module, kind, op) VALUES (?, ?, ?, ?, ?)",
+                [(s.id, s.name, s.module, s.kind.value, s.op) for s in sites],
+            )
+
+    # A step may be flushed more than once (inference loops, full buffers): rows accumulate.
+    def write_step(self, step: int, *, checks: int, alarms: int, verified: int, backlog: int, verify_ms: float) -> None:
+        self.conn.execute(
+            "INSERT INTO steps (step, wall, checks, alarms, verified, backlog, verify_ms) VALUES (?,?,?,?,?,?,?)"
+            " ON CONFLICT(step) DO UPDATE SET wall = excluded.wall, checks = checks + excluded.checks,"
+            " alarms = alarms + excluded.alarms, verified = verified + excluded.verified,"
+            " backlog = excluded.backlog, verify_ms = verify_ms + excluded.verify_ms",
+            (step, time.time(), checks, alarms, verified, backlog, verify_ms),
+        )
+
+    def write_step_stats(self, rows: Iterable[tuple]) -> None:
+        self.conn.executemany(
+            "INSERT INTO step_stats (step, site_id, calls, checks, alarms, faults, nonfinite, max_row,"
+            " max_col, threshold_row, threshold_col, calibrating) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
+            " ON CONFLICT(step, site_id) DO UPDATE SET calls = calls + excluded.calls,"
+            " checks = checks + excluded.checks, alarms = alarms + excluded.alarms,"
+            " faults = faults + excluded.faults, nonfinite = nonfinite + excluded.nonfinite,"
+            " max_row = MAX(COALESCE(max_row, excluded.max_row), COALESCE(excluded.max_row, max_row)),"
+            " max_col = MAX(COALESCE(max_col, excluded.max_col), COALESCE(excluded.max_col, max_col)),"
+            " threshold_row = excluded.threshold_row, threshold_col = excluded.threshold_col,"
+            " calibrating = excluded.calibrating",
+            list(rows),
+        )
+
+    def write_vtask(self, task: Any) -> None:
+        e = task.evidence
+        self.conn.execute(
+            "INSERT INTO vtasks (id, site_id, step, call, channel, value, threshold, idx, raw_l2, tile_json,"
+            " raised_wall) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                task.id,
+                e.site.id,
+                e.step,
+                e.call,
+                e.channel.value,
+                _finite_or_none(e.value),
+                _finite_or_none(e.threshold),
+                e.index,
+                _finite_or_none(e.raw_l2),
+                _dumps(e.tile.to_dict() if e.tile else None),
+                task.raised_wall,
+            ),
+        )
+
+    def write_verdict(self, verdict: Any, decided_step: int) -> None:
+        self.conn.execute(
+            "INSERT INTO verdicts (vtask_id, kind, wrong_execution, no_effect_on_output, tiles_json, detail,"
+            " replay_ms, latency_steps, latency_ms, decided_step, decided_wall) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                verdict.vtask_id,
+                verdict.kind.value,
+                verdict.wrong_execution.value if verdict.wrong_execution else None,
+                int(verdict.no_effect_on_output),
+                _dumps([t.to_dict() for t in verdict.mismatched_tiles]),
+                verdict.detail,
+                verdict.replay_ms,
+                verdict.latency_steps,
+                verdict.latency_ms,
+                decided_step,
+                time.time(),
+            ),
+        )
+
+    def write_incident(self, incident: Any) -> None:
+        who = incident.identity
+        self.conn.execute(
+            "INSERT INTO incidents (id, vtask_id, site_id, step, host, rank, local_rank, device, gpu_uuid,"
+            " record_json, created_wall) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                incident.id,
+                incident.verdict.vtask_id,
+                incident.site.id,
+                incident.step,
+                who.host,
+                who.rank,
+                who.local_rank,
+                who.device,
+                who.gpu_uuid,
+                _dumps(incident.to_dict()),
+                incident.created_wall,
+            ),
+        )
+
+    def write_event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        step: int | None = None,
+        site_id: int | None = None,
+        data: Any = None,
+    ) -> None:
+        self.conn.execute(
+            "INSERT INTO events (step, site_id, kind, message, data_json, wall) VALUES (?,?,?,?,?,?)",
+            (step, site_id, kind, message, None if data is None else _dumps(data), time.time()),
+        )
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if value == value and abs(value) != float("inf") else None
+
+
+# -- reading a run directory (all ranks) --------------------------------------------------------
+@dataclass(frozen=True)
+class RankDatabase:
+    rank: int
+    path: Path
+
+
+def rank_databases(run_dir: str | os.PathLike) -> list[RankDatabase]:
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise StoreError(f"{root} is not a directory")
+    found = []
+    for path in sorted(root.glob("aegis-rank*.sqlite")):
+        try:
+            found.append(RankDatabase(int(path.stem.removeprefix("aegis-rank")), path))
+        except ValueError:
+            continue
+    if not found:
+        raise StoreError(f"no aegis store (aegis-rank*.sqlite) in {root}")
+    return found
+
+
+def open_reader(path: Path) -> sqlite3.Connection:
+    """Open a rank database for reading; refuses schemas newer than this version."""
+    conn = _connect(path)
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION or version == 0:
+        conn.close()
+        raise StoreError(f"{path} has schema version {version}; this aegis-sdc reads 1..{SCHEMA_VERSION}")
+    return conn
+
+
+def read_incidents(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """All incidents of all ranks, ordered by step then rank."""
+    rows: list[dict[str, Any]] = []
+    for db in rank_databases(run_dir):
+        conn = open_reader(db.path)
+        try:
+            for r in conn.execute(
+                "SELECT i.id, i.step, i.host, i.rank, i.local_rank, i.device, i.gpu_uuid, i.record_json, s.name AS site"
+                " FROM incidents i JOIN sites s ON s.id = i.site_id ORDER BY i.step, i.id"
+            ):
+                record = json.loads(r["record_json"])
+                rows.append(
+                    {
+                        "id": r["id"],
+                        "rank": r["rank"],
+                        "local_rank": r["local_rank"],
+                        "host": r["host"],
+                        "device": r["device"],
+                        "gpu_uuid": r["gpu_uuid"],
+                        "site": r["site"],
+                        "step": r["step"],
+                        "evidence": record["evidence"],
+                        "verdict": record["verdict"],
+                    }
+                )
+        finally:
+            conn.close()
+    rows.sort(key=lambda r: (r["step"], r["rank"], r["id"]))
+    return rows
+
+
+def read_verdict_counts(run_dir: str | os.PathLike) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for db in rank_databases(run_dir):
+        conn = open_reader(db.path)
+        try:
+            for kind, n in conn.execute("SELECT kind, COUNT(*) FROM verdicts GROUP BY kind"):
+                counts[kind] = counts.get(kind, 0) + n
+        finally:
+            conn.close()
+    return counts
+
+
+def read_site_series(path: Path) -> dict[str, list[tuple[int, float, float, float, float]]]:
+    """Per site name: (step, max_row, threshold_row, max_col, threshold_col) over the checked steps."""
+    conn = open_reader(path)
+    try:
+        series: dict[str, list[tuple[int, float, float, float, float]]] = {}
+        for r in conn.execute(
+            "SELECT s.name, t.step, t.max_row, t.threshold_row, t.max_col, t.threshold_col FROM step_stats t"
+            " JOIN sites s ON s.id = t.site_id WHERE t.checks > 0 ORDER BY s.id, t.step"
+        ):
+            series.setdefault(r[0], []).append((r[1], r[2], r[3], r[4], r[5]))
+        return series
+    finally:
+        conn.close()

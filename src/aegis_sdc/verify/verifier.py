@@ -1,0 +1,155 @@
+"""The verifier: replays vTasks off the op's critical path and decides what happened.
+
+Triage of one vTask (payloads are replay contexts, see ops/gemm_replay.py):
+
+1. The context is gone or changed (a referenced weight's version moved)  → NOT_VERIFIABLE.
+2. Non-finite checksums and non-finite operands in the context          → NONFINITE_INPUT.
+3. Replay with the identical implementation and compare bit for bit (output tiles, fp32 partial
+   checksums, the reference side A·(B·1) and B·1):
+   - identical: if an independent fp64 recomputation shows a saved value outside the exact fp32
+     error bound, every execution is wrong (a persistent fault)        → CONFIRMED, REPRODUCIBLE;
+     otherwise the alarm was numerical noise                            → FALSE_ALARM.
+   - different: a second replay decides which execution was wrong: the second agrees with the
+     first → the training step was wrong (ORIGINAL); it agrees with the training step → the first
+     replay was wrong (REPLAY); all three differ → UNSTABLE.           → CONFIRMED
+   A difference only in the fp32 checksums (the rounded output is identical) is still a confirmed
+   SDC, flagged `no_effect_on_output`.
+
+Scheduling: `run()` is called at the end of every step, before the optimizer step. vTasks whose
+context references a tensor the optimizer may change are replayed then, whatever the budget; the
+others are replayed while the step's time budget lasts and otherwise wait (the backlog), up to
+`max_backlog`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from aegis_sdc.config import VerifyConfig
+from aegis_sdc.events import Channel, Verdict, VerdictKind, VTask, WrongExecution
+
+
+@dataclass
+class VerifierTelemetry:
+    verified: int = 0
+    replay_ms_total: float = 0.0
+    max_latency_steps: int = 0
+    max_latency_ms: float = 0.0
+    max_backlog: int = 0
+    last_backlog: int = 0
+    latencies_ms: list[float] = field(default_factory=list)
+
+
+class Verifier:
+    def __init__(self, config: VerifyConfig) -> None:
+        self.config = config
+        self.pending: deque[VTask] = deque()
+        self.telemetry = VerifierTelemetry()
+
+    def submit(self, tasks: list[VTask]) -> None:
+        self.pending.extend(tasks)
+
+    @property
+    def backlog(self) -> int:
+        return len(self.pending)
+
+    def run(self, step: int, *, drain: bool = False) -> list[Verdict]:
+        """Verify what must be verified now, then what the budget allows. `drain` verifies all."""
+        deadline = time.perf_counter() + self.config.time_budget_ms / 1000.0
+        verdicts: list[Verdict] = []
+        waiting: deque[VTask] = deque()
+        while self.pending:
+            task = self.pending.popleft()
+            over_backlog = len(self.pending) + len(waiting) >= self.config.max_backlog
+            if drain or task.references_tensors or over_backlog or time.perf_counter() < deadline:
+                verdicts.append(self.verify(task, step))
+            else:
+                waiting.append(task)
+        self.pending = waiting
+        t = self.telemetry
+        t.last_backlog = len(waiting)
+        t.max_backlog = max(t.max_backlog, len(waiting))
+        return verdicts
+
+    def verify(self, task: VTask, step: int) -> Verdict:
+        started = time.perf_counter()
+        kind, wrong, tiles, no_effect, detail = self._triage(task)
+        finished = time.perf_counter()
+        task.payload = None  # release the replay context's tensors
+        verdict = Verdict(
+            vtask_id=task.id,
+            site=task.site,
+            step=task.step,
+            kind=kind,
+            wrong_execution=wrong,
+            no_effect_on_output=no_effect,
+            mismatched_tiles=tiles,
+            detail=detail,
+            replay_ms=(finished - started) * 1000.0,
+            latency_steps=step - task.step,
+            latency_ms=(finished - task.raised_perf) * 1000.0,
+        )
+        t = self.telemetry
+        t.verified += 1
+        t.replay_ms_total += verdict.replay_ms
+        t.max_latency_steps = max(t.max_latency_steps, verdict.latency_steps)
+        t.max_latency_ms = max(t.max_latency_ms, verdict.latency_ms)
+        t.latencies_ms.append(verdict.latency_ms)
+        return verdict
+
+    @staticmethod
+    def _triage(task: VTask):
+        payload = task.payload
+        evidence_tile = (task.evidence.tile,) if task.evidence.tile else ()
+        if payload is None:
+            return VerdictKind.NOT_VERIFIABLE, None, (), False, "no replay context was captured"
+        changed = payload.references_changed()
+        if changed:
+            return VerdictKind.NOT_VERIFIABLE, None, (), False, changed
+        if task.evidence.channel is Channel.NONFINITE and not payload.inputs_finite():
+            return (
+                VerdictKind.NONFINITE_INPUT,
+                None,
+                (),
+                False,
+                "NaN/Inf in the operands of the suspect block",
+            )
+        try:
+            saved = payload.saved
+            first = payload.replay()
+            diff = payload.diff(saved, first)
+            if diff.equal:
+                violations = payload.exact_violations()
+                if violations:
+                    detail = (
+                        f"replay identical, but {violations} saved value(s) lie outside the exact fp32 "
+                        "error bound of an fp64 recomputation: every execution on this device is wrong"
+                    )
+                    return (
+                        VerdictKind.CONFIRMED_SDC,
+                        WrongExecution.REPRODUCIBLE,
+                        evidence_tile,
+                        False,
+                        detail,
+                    )
+                return VerdictKind.FALSE_ALARM, None, (), False, "replay reproduced every bit"
+            second = payload.replay()
+            if payload.diff(first, second).equal:
+                wrong, detail = (
+                    WrongExecution.ORIGINAL,
+                    "two replays agree; the training step's result differs",
+                )
+            elif payload.diff(saved, second).equal:
+                wrong, detail = WrongExecution.REPLAY, "the second replay agrees with the training step"
+            else:
+                wrong, detail = WrongExecution.UNSTABLE, "all three executions differ"
+            if diff.reference_differs and not diff.tiles:
+                detail += "; only the reference side A·(B·1) differs"
+            no_effect = not diff.output_differs and not diff.reference_differs
+            if no_effect:
+                detail += "; the rounded output is identical (rounding absorbed the corruption)"
+            return VerdictKind.CONFIRMED_SDC, wrong, diff.tiles or evidence_tile, no_effect, detail
+        except (RuntimeError, MemoryError) as error:  # e.g. out of memory during the replay
+            return VerdictKind.NOT_VERIFIABLE, None, (), False, f"replay failed: {error}"

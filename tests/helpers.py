@@ -1,0 +1,40 @@
+"""Shared builders for tests: a small workload and a guard around it."""
+
+from __future__ import annotations
+
+import torch
+
+import aegis_sdc as aegis
+from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
+from aegis_sdc.workloads.llama import Llama, LlamaConfig, lm_loss
+
+SMALL = LlamaConfig(vocab_size=128, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=64)
+# Sensitivity tests need realistic row counts: a row check tells a corruption of r = 1 median
+# differences from noise by about sqrt(rows / (2 ln rows)) = 8.6 at 1024 rows, against a margin of 4
+# (docs/thresholds.md). MEDIUM has 1024 tokens per step and 512 rows in its widest wgrad.
+MEDIUM = LlamaConfig(vocab_size=256, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=512, max_seq_len=128)
+
+
+def small_workload(seed: int = 0, cfg: LlamaConfig = SMALL, batch: int = 4, seq: int = 64):
+    torch.manual_seed(seed)
+    model = Llama(cfg)
+    data = SyntheticTokens(TokenStreamConfig(vocab_size=cfg.vocab_size, seq_len=seq, batch_size=batch, seed=seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    return model, data, optimizer
+
+
+def train(model, data, optimizer, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        inputs, targets = data.batch()
+        loss = lm_loss(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def guard_config(tmp_path, **kwargs) -> aegis.GuardConfig:
+    kwargs.setdefault("response", aegis.ResponseConfig(policy="warn"))
+    return aegis.GuardConfig(run_dir=str(tmp_path / "run"), **kwargs)

@@ -1,0 +1,185 @@
+"""The whole pipeline on the workload: real accumulator faults → alarm → replay → incident → response."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import warnings
+
+import pytest
+import torch
+from tests.helpers import MEDIUM, guard_config, small_workload, train
+
+import aegis_sdc as aegis
+from aegis_sdc.events import VerdictKind, WrongExecution
+
+TOKENS = 8 * 128  # batch × sequence of the medium workload
+GEMM_SHAPE = {  # (M, N) of C = A·B for layers.0.mlp.up_proj (in 256, out 512)
+    "fwd": (TOKENS, MEDIUM.hidden_dim),
+    "dgrad": (TOKENS, MEDIUM.dim),
+    "wgrad": (MEDIUM.hidden_dim, MEDIUM.dim),
+}
+FAULT_STEPS = (24, 29, 33, 38)
+
+
+def run_with_fault(tmp_path, spec: aegis.FaultSpec, steps: int = 40, workload=None, **config):
+    model, data, optimizer = workload or small_workload()
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(spec,), **config))
+    train(model, data, optimizer, steps)
+    guard.close()
+    return guard
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
+def test_a_fault_of_one_median_difference_is_confirmed_at_its_site_and_step(kind, tmp_path):
+    site = f"layers.0.mlp.up_proj:{kind}"
+    spec = aegis.FaultSpec(site=site, model="perturb", scale=1.0, steps=FAULT_STEPS, seed=11)
+    guard = run_with_fault(tmp_path, spec, workload=small_workload(cfg=MEDIUM, batch=8, seq=128))
+    injected = {(j.site, j.step): j.fault for j in guard.injector.log}
+    assert set(injected) == {(site, s) for s in FAULT_STEPS}
+    assert sorted((i.site.name, i.step) for i in guard.incidents) == sorted(injected)
+    m, n = GEMM_SHAPE[kind]
+    for incident in guard.incidents:
+        assert incident.verdict.wrong_execution is WrongExecution.ORIGINAL
+        assert incident.identity.rank == 0 and incident.identity.device == "cpu"
+        row, col = injected[(incident.site.name, incident.step)].element(m, n)
+        tiles = incident.verdict.mismatched_tiles
+        assert len(tiles) == 1
+        tile = tiles[0]
+        assert tile.row_start <= row < tile.row_stop and tile.col_start <= col < tile.col_stop
+    summary = guard.summary()
+    assert summary.confirmed == len(FAULT_STEPS) and summary.false_alarms == 0
+
+
+def test_a_high_bit_flip_in_wgrad_is_confirmed(tmp_path):
+    spec = aegis.FaultSpec(site="layers.0.attn.wo:wgrad", model="bitflip", bit=29, steps=(20,), seed=2)
+    guard = run_with_fault(tmp_path, spec, steps=22)
+    assert [(i.site.name, i.step) for i in guard.incidents] == [("layers.0.attn.wo:wgrad", 20)]
+
+
+def test_a_persistent_fault_is_confirmed_as_reproducible(tmp_path):
+    spec = aegis.FaultSpec(site="layers.0.attn.wq:fwd", model="bitflip", bit=30, steps=(20,), affects_replay=True)
+    guard = run_with_fault(tmp_path, spec, steps=21)
+    (incident,) = guard.incidents
+    assert incident.verdict.wrong_execution is WrongExecution.REPRODUCIBLE
+
+
+def test_a_fault_on_an_unsampled_call_corrupts_unseen(tmp_path):
+    # After calibration the site is never sampled: the fault still fires (and is logged as ground
+    # truth) but no check runs, so nothing can be confirmed. This is what sampling trades away.
+    spec = aegis.FaultSpec(site="layers.0.mlp.down_proj:fwd", model="bitflip", bit=30, steps=(30,))
+    sampling = aegis.SamplingConfig(per_site=(("layers.0.mlp.down_proj:fwd", 0.0),))
+    guard = run_with_fault(tmp_path, spec, steps=31, sampling=sampling)
+    assert len(guard.injector.log) == 1 and guard.incidents == []
+
+
+def test_weight_referencing_vtasks_are_verified_before_the_optimizer_step(tmp_path):
+    spec = aegis.FaultSpec(site="layers.0.mlp.up_proj:fwd", model="bitflip", bit=28, steps=(20,))
+    guard = run_with_fault(tmp_path, spec, steps=25, verify=aegis.VerifyConfig(time_budget_ms=0.0))
+    (incident,) = guard.incidents
+    assert incident.verdict.latency_steps == 0  # replayed in the pre-hook of step 20 itself
+    conn = sqlite3.connect(guard.store.path)
+    assert conn.execute("SELECT latency_steps, decided_step FROM verdicts").fetchall() == [(0, 20)]
+    assert conn.execute("SELECT MAX(backlog) FROM steps").fetchone()[0] == 0
+
+
+def test_the_raise_policy_stops_the_step_before_corrupted_gradients_are_applied(tmp_path):
+    model, data, optimizer = small_workload()
+    spec = aegis.FaultSpec(site="layers.0.mlp.gate_proj:dgrad", model="bitflip", bit=29, steps=(20,))
+    cfg = guard_config(tmp_path, faults=(spec,), response=aegis.ResponseConfig(policy="raise"))
+    guard = aegis.protect(model, optimizer=optimizer, config=cfg)
+    train(model, data, optimizer, 20)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs, targets = data.batch()
+    from aegis_sdc.workloads.llama import lm_loss
+
+    loss = lm_loss(model(inputs), targets)
+    optimizer.zero_grad()
+    loss.backward()
+    with pytest.raises(aegis.SilentDataCorruptionError) as caught:
+        optimizer.step()
+    assert caught.value.incident.site.name == "layers.0.mlp.gate_proj:dgrad"
+    assert caught.value.incident.step == 20
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    stored = sqlite3.connect(guard.store.path).execute("SELECT site_id, step FROM incidents").fetchall()
+    assert len(stored) == 1 and stored[0][1] == 20  # committed before the raise
+    guard.close()
+
+
+def test_the_exit_policy_exits_with_the_documented_code(tmp_path):
+    spec = aegis.FaultSpec(site="layers.0.attn.wk:fwd", model="bitflip", bit=29, steps=(20,))
+    with pytest.raises(SystemExit) as caught:
+        run_with_fault(tmp_path, spec, steps=21, response=aegis.ResponseConfig(policy="exit"))
+    assert caught.value.code == aegis.EXIT_CODE_SDC == 86
+
+
+def test_the_skip_step_policy_drops_the_corrupted_update(tmp_path):
+    model, data, optimizer = small_workload()
+    spec = aegis.FaultSpec(site="lm_head:wgrad", model="bitflip", bit=29, steps=(20,))
+    cfg = guard_config(tmp_path, faults=(spec,), response=aegis.ResponseConfig(policy="skip-step"))
+    guard = aegis.protect(model, optimizer=optimizer, config=cfg)
+    train(model, data, optimizer, 20)
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    train(model, data, optimizer, 1)  # step 20: the fault strikes and is confirmed
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+    train(model, data, optimizer, 1)  # step 21 trains normally again
+    assert not all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+    assert len(guard.incidents) == 1
+    guard.close()
+
+
+def test_the_warn_policy_warns_and_the_quarantine_list_names_the_device(tmp_path):
+    spec = aegis.FaultSpec(site="layers.0.attn.wv:fwd", model="bitflip", bit=29, steps=(20, 22))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", aegis.SilentDataCorruptionWarning)
+        guard = run_with_fault(tmp_path, spec, steps=24)
+    assert sum(issubclass(w.category, aegis.SilentDataCorruptionWarning) for w in caught) == 2
+    lines = (tmp_path / "run" / "quarantine.jsonl").read_text().splitlines()
+    assert len(lines) == 1  # one entry per device, however many incidents
+    entry = json.loads(lines[0])
+    assert entry["host"] == guard.identity.host and entry["rank"] == 0 and entry["device"] == "cpu"
+    assert entry["gpu_uuid"] is None and entry["site"] == "layers.0.attn.wv:fwd" and entry["step"] == 20
+
+
+def test_inference_loops_flush_when_the_buffer_is_full(tmp_path):
+    model, data, _ = small_workload()
+    guard = aegis.protect(model, config=guard_config(tmp_path, max_pending_calls=5))
+    with torch.no_grad():
+        for _ in range(3):
+            model(data.batch()[0])
+    assert len(guard.recorder) < 5  # flushed automatically: at most one sync per full buffer
+    assert guard.close().checks == 3 * 8  # eight Linears (7 per block + lm_head), forward only
+
+
+def test_guard_step_numbers_steps_without_an_optimizer(tmp_path):
+    model, data, _ = small_workload()
+    guard = aegis.protect(model, config=guard_config(tmp_path), start_step=100)
+    model(data.batch()[0]).sum().backward()
+    report = guard.step()
+    assert report.step == 100 and guard.step_number == 101 and report.checks == 24
+    guard.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        guard.step()
+
+
+def test_protect_rejects_what_it_cannot_protect(tmp_path):
+    with pytest.raises(TypeError, match=r"nn.Module"):
+        aegis.protect("model")
+    with pytest.raises(TypeError, match="optimizer"):
+        aegis.protect(torch.nn.Sequential(torch.nn.Linear(2, 2)), optimizer=object(), config=guard_config(tmp_path))
+    with pytest.raises(ValueError, match=r"bare nn.Linear"):
+        aegis.protect(torch.nn.Linear(2, 2), config=guard_config(tmp_path))
+
+
+def test_verdict_counts_reach_the_summary_and_the_store(tmp_path):
+    spec = aegis.FaultSpec(site="layers.0.mlp.down_proj:dgrad", model="bitflip", bit=29, steps=(20,))
+    guard = run_with_fault(tmp_path, spec, steps=21)
+    conn = sqlite3.connect(guard.store.path)
+    kinds = dict(conn.execute("SELECT kind, COUNT(*) FROM verdicts GROUP BY kind").fetchall())
+    summary = guard.summary()
+    assert kinds.get(VerdictKind.CONFIRMED_SDC.value) == summary.confirmed == 1
+    assert kinds.get(VerdictKind.FALSE_ALARM.value, 0) == summary.false_alarms
+    run = conn.execute("SELECT summary_json FROM run").fetchone()[0]
+    assert json.loads(run)["confirmed"] == 1
+    faults = conn.execute("SELECT step, kind FROM events WHERE kind = 'fault_injected'").fetchall()
+    assert faults == [(20, "fault_injected")]

@@ -1,0 +1,45 @@
+"""Dependencies point downward only: kernels ← ops ← sensors ← verify ← guard (DESIGN.md)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "aegis_sdc"
+# What each layer may import from the package (besides itself and the leaves).
+LEAVES = {"events", "hashing", "config", "faults", "store", "distributed"}
+ALLOWED = {
+    "kernels": set(),
+    "ops": {"kernels"},
+    "sensors": {"kernels", "ops"},
+    "verify": {"kernels", "ops", "sensors"},
+    "faults": {"hashing"},
+    "store": set(),
+    "distributed": {"events"},
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("aegis_sdc."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("aegis_sdc."):
+                    found.add(alias.name.split(".")[1])
+    return found
+
+
+def test_layers_import_only_downward():
+    problems = []
+    for layer, allowed in ALLOWED.items():
+        for path in (PACKAGE / layer).glob("*.py"):
+            extra = (
+                imports_of(path)
+                - allowed
+                - {layer}
+                - (LEAVES if layer not in ("faults", "store", "distributed") else {"hashing", "events"})
+            )
+            if extra:
+                problems.append(f"{path.relative_to(PACKAGE)} imports {sorted(extra)}")
+    assert not problems, problems

@@ -1,0 +1,134 @@
+"""The SQLite store: schema, WAL, versioning, merging ranks, and durability under SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aegis_sdc.events import (
+    Channel,
+    Evidence,
+    GemmKind,
+    Incident,
+    RankIdentity,
+    Site,
+    Tile,
+    Verdict,
+    VerdictKind,
+    VTask,
+    WrongExecution,
+)
+from aegis_sdc.store.sqlite import SCHEMA_VERSION, Store, StoreError, rank_db_path, read_incidents
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_incident(store: Store, incident_id: int, rank: int, step: int) -> None:
+    site = Site(0, "layers.0.attn.wq", GemmKind.WGRAD)
+    store.write_sites([site])
+    evidence = Evidence(site, step, 0, Channel.COL, 80.0, 20.0, 5, 1e-4, Tile(0, 128, 128, 256), (Channel.COL,))
+    verdict = Verdict(
+        incident_id,
+        site,
+        step,
+        VerdictKind.CONFIRMED_SDC,
+        WrongExecution.ORIGINAL,
+        mismatched_tiles=(Tile(0, 128, 128, 256),),
+    )
+    with store.transaction():
+        store.write_vtask(VTask(incident_id, evidence, None))
+        store.write_verdict(verdict, step)
+        store.write_incident(
+            Incident(
+                incident_id,
+                site,
+                step,
+                RankIdentity("host-a", rank=rank, device=f"cuda:{rank}", gpu_uuid=f"GPU-{rank}"),
+                evidence,
+                verdict,
+            )
+        )
+
+
+def test_a_new_store_has_the_current_schema_in_wal_mode(tmp_path):
+    store = Store(rank_db_path(tmp_path, 3))
+    assert store.path.name == "aegis-rank00003.sqlite"
+    conn = store.conn
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"run", "sites", "steps", "step_stats", "vtasks", "verdicts", "incidents", "events"} <= tables
+    store.close()
+    Store(store.path).close()  # reopening migrates nothing and keeps the data
+
+
+def test_a_store_from_a_newer_version_is_refused_clearly(tmp_path):
+    path = rank_db_path(tmp_path, 0)
+    Store(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(StoreError, match="newer than this aegis-sdc"):
+        Store(path)
+
+
+def test_incidents_of_all_ranks_are_merged(tmp_path):
+    for rank, steps in ((0, (7,)), (1, (3, 9))):
+        store = Store(rank_db_path(tmp_path, rank))
+        for n, step in enumerate(steps, start=1):
+            write_incident(store, n, rank, step)
+        store.close()
+    rows = read_incidents(tmp_path)
+    assert [(r["step"], r["rank"]) for r in rows] == [(3, 1), (7, 0), (9, 1)]
+    assert rows[0]["gpu_uuid"] == "GPU-1" and rows[0]["site"] == "layers.0.attn.wq:wgrad"
+    assert rows[0]["verdict"]["mismatched_tiles"] == [
+        {"row_start": 0, "row_stop": 128, "col_start": 128, "col_stop": 256}
+    ]
+
+
+def test_reading_a_directory_without_stores_fails_clearly(tmp_path):
+    with pytest.raises(StoreError, match="no aegis store"):
+        read_incidents(tmp_path)
+    with pytest.raises(StoreError, match="not a directory"):
+        read_incidents(tmp_path / "missing")
+
+
+def test_sigkill_while_writing_loses_no_committed_incident(tmp_path):
+    path = tmp_path / "aegis-rank00000.sqlite"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "store_writer.py"), str(path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    committed = []
+    try:
+        for line in child.stdout:
+            committed.append(int(line))
+            if len(committed) >= 60:
+                break
+    finally:
+        child.send_signal(signal.SIGKILL)  # mid-write: the child never stops writing on its own
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    stored = {r[0] for r in conn.execute("SELECT id FROM incidents")}
+    assert set(committed) <= stored  # every incident whose COMMIT returned survived
+    # Every stored incident is whole: its vTask and verdict were committed with it.
+    orphans = conn.execute(
+        "SELECT COUNT(*) FROM incidents i LEFT JOIN verdicts v ON v.vtask_id = i.vtask_id WHERE v.vtask_id IS NULL"
+    ).fetchone()[0]
+    assert orphans == 0
+    conn.close()
+    Store(path).close()  # the writer reopens it cleanly
+    rows = read_incidents(tmp_path)
+    assert len(rows) == len(stored) and json.dumps(rows)
