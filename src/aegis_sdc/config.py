@@ -17,6 +17,7 @@ from aegis_sdc.faults.models import FaultSpec
 
 CHECK_MODES = ("row", "row+col")
 POLICIES = ("warn", "raise", "exit", "skip-step")
+BACKENDS = ("auto", "reference", "triton")
 
 # Exit status of a process stopped by the `exit` policy. Schedulers can requeue the job on other
 # hardware when they see it; it is outside the shell's 126–165 and sysexits' 64–78 ranges.
@@ -173,6 +174,10 @@ class GuardConfig:
     - `run_dir`: where the per-rank SQLite store, plots and quarantine list go.
     - `max_pending_calls`: checked calls buffered before an automatic flush when no optimizer step
       comes (inference loops); one host sync per flush.
+    - `backend`: ``auto`` runs the fused Triton kernels on CUDA tensors whose shapes TMA accepts
+      (rows 16-byte aligned) and the reference path elsewhere; ``reference`` always the reference
+      path; ``triton`` the Triton kernels wherever they can run (on the CPU only under
+      TRITON_INTERPRET=1: for tests).
     """
 
     checksum: ChecksumConfig = field(default_factory=ChecksumConfig)
@@ -185,6 +190,7 @@ class GuardConfig:
     exclude: tuple[str, ...] = ()
     run_dir: str | None = None
     max_pending_calls: int = 4096
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -211,6 +217,7 @@ class GuardConfig:
                 value = (value,)
             object.__setattr__(self, name, tuple(value))
         _require(self.max_pending_calls >= 1, "GuardConfig.max_pending_calls must be >= 1")
+        _require(self.backend in BACKENDS, f"GuardConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
 
     def to_dict(self) -> dict[str, Any]:
         import dataclasses

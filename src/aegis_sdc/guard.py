@@ -41,6 +41,7 @@ from aegis_sdc.faults.injector import FaultInjector
 from aegis_sdc.integrations.modules import LinearFilter, restore_linears, select_linears, swap_linears
 from aegis_sdc.kernels.reference import Tiling
 from aegis_sdc.ops.checked_linear import LinearHooks
+from aegis_sdc.ops.triton_linear import DeviceState
 from aegis_sdc.response.policies import Responder
 from aegis_sdc.sensors.gemm import CallRecord, GemmSensor, StepClock
 from aegis_sdc.sensors.sampling import Sampler
@@ -128,6 +129,7 @@ class Guard:
         self.counts: Counter[str] = Counter()
         self._listeners: list[Listener] = []
         self._tiling = Tiling(config.verify.row_block, config.verify.col_block)
+        self.device_state = DeviceState()
         self._injections_written = 0
         self._steps_seen: set[int] = set()
         self._pending_evidence: dict[int, Evidence] = {}  # vTask id → its evidence, until verified
@@ -169,7 +171,13 @@ class Guard:
             )
             self.sensors.append(sensor)
             sensors.append(sensor)
-        return LinearHooks(*sensors, tiling=self._tiling, after_call=self._after_call)
+        return LinearHooks(
+            *sensors,
+            tiling=self._tiling,
+            after_call=self._after_call,
+            backend=self.config.backend,
+            state=self.device_state,
+        )
 
     # -- public API ------------------------------------------------------------------------------
     @property
@@ -274,8 +282,7 @@ class Guard:
         report = StepReport(step)
         records = list(self.recorder)
         self.recorder.clear()
-        # The one host sync of the step: every checked call's evidence vector at once.
-        synced = torch.stack([r.stats for r in records]).cpu().tolist() if records else []
+        synced = self._read_evidence(records)
         report.checks = len(records)
         evidence_of: dict[int, Evidence] = {}
         for record, stats in zip(records, synced, strict=True):
@@ -316,6 +323,23 @@ class Guard:
         self._emit("step", report)
         self.responder.respond(report.incidents, self.optimizer)
         return report
+
+    def _read_evidence(self, records: list[CallRecord]) -> list[list[float]]:
+        """The one host sync of the step: every checked call's evidence at once (per device)."""
+        synced: list[list[float] | None] = [None] * len(records)
+        reference = [i for i, r in enumerate(records) if r.raw is None]
+        triton = [i for i, r in enumerate(records) if r.raw is not None]
+        if reference:
+            for i, row in zip(
+                reference, torch.stack([records[i].stats for i in reference]).cpu().tolist(), strict=True
+            ):
+                synced[i] = row
+        if triton:
+            raw = torch.stack([records[i].raw for i in triton]).cpu().tolist()
+            for i, row in zip(triton, raw, strict=True):
+                synced[i] = records[i].finish_triton(row)
+        self.device_state.end_step()
+        return synced  # type: ignore[return-value]
 
     def _record(self, report: StepReport) -> None:
         step = report.step

@@ -36,7 +36,11 @@ class FaultInjector:
         return found
 
     def fire(self, site, step: int, call: int, median_l2: float | None) -> Injection | None:
-        """The fault to apply to this call, or None. `site` is an events.Site."""
+        """The fault planned for this call, or None. `site` is an events.Site.
+
+        The op records it with `applied()` once the corrupted GEMM has run: a planned backward that
+        never runs (no backward pass) leaves no ground truth behind.
+        """
         if not self.specs:
             return None
         for spec in self.specs_for(site.name):
@@ -44,7 +48,8 @@ class FaultInjector:
                 # Before the site knows its median clean difference, delta is provisional (1.0 per
                 # unit of scale); the op rescales it by the call's own clean difference.
                 fault = resolve(spec, site.id, step, call, median_l2 if median_l2 is not None else 1.0)
-                injection = Injection(site.name, step, call, fault)
-                self.log.append(injection)
-                return injection
+                return Injection(site.name, step, call, fault)
         return None
+
+    def applied(self, injection: Injection) -> None:
+        self.log.append(injection)

@@ -52,7 +52,9 @@ class CheckedLinear(nn.Linear):
         if x.numel() == 0 or self.in_features == 0 or self.out_features == 0:
             return F.linear(x, weight, bias)  # nothing to check: no products are summed
         x2d = x.reshape(-1, self.in_features)
-        y = CheckedLinearFunction.apply(x2d, weight, bias, self.aegis_hooks)
+        # The parameter itself (detached: same storage and version counter) keys the weight-stats cache
+        # when `weight` is an autocast copy.
+        y = CheckedLinearFunction.apply(x2d, weight, bias, self.aegis_hooks, self.weight.detach())
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -7,16 +7,18 @@ Operand orientation, C = A·B for each GEMM (M tokens, K in-features, N out-feat
     dgrad    A = dY [M, N]    B = W  [N, K]   C = dX [M, K]
     wgrad    A = dYᵀ [N, M]   B = X  [M, K]   C = dW [N, K]
 
-The op knows nothing of thresholds or stores: a sensor's `plan()` says whether to check this call
-(and which fault to inject), and `observe()` receives the checksums. Unchecked calls run the fast
-path (`torch.mm` / `F.linear`).
+The sensors plan all three GEMMs of a call at forward time (check or not, which fault to inject), so
+the forward kernel knows whether to produce the by-products the wgrad check needs. The op knows
+nothing of thresholds or stores. Backends: the reference path (plain PyTorch, kernels/reference.py)
+and the fused Triton kernel (kernels/triton_gemm.py) for CUDA tensors. Unchecked GEMMs run
+`F.linear` / `torch.mm` (cuBLAS on a GPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -24,28 +26,51 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from aegis_sdc.kernels.reference import Tiling, checked_gemm
+from aegis_sdc.ops import triton_linear
 from aegis_sdc.ops.gemm_replay import GemmOperands
 
 
 class GemmSensorHooks(Protocol):
+    col_check: bool
+
     def plan(self) -> Any | None: ...
 
     def observe(self, plan: Any, operands: GemmOperands, result: Any) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass
 class LinearHooks:
-    """The three sensors of one Linear, and the tile of its reference GEMMs."""
+    """The three sensors of one Linear, and what its GEMMs share across calls."""
 
     forward: GemmSensorHooks
     dgrad: GemmSensorHooks
     wgrad: GemmSensorHooks
     tiling: Tiling
     after_call: Callable[[], None] = lambda: None  # lets the guard flush a full buffer
+    backend: str = "auto"
+    state: triton_linear.DeviceState | None = None
+    weight_stats: triton_linear.WeightStats = field(default_factory=triton_linear.WeightStats)
+    counters: dict = field(default_factory=dict)  # GEMM kind → int32 counters of the Triton kernel
+
+    def use_triton(self, x2d: torch.Tensor, weight: torch.Tensor) -> bool:
+        if self.backend == "reference" or self.state is None:
+            return False
+        if self.backend == "auto" and x2d.device.type != "cuda":
+            return False
+        return triton_linear.usable(x2d, weight)
+
+    def counters_for(self, kind: str, m: int, n: int, device: torch.device) -> torch.Tensor:
+        cfg = triton_linear.tg.default_config()
+        need = -(-m // cfg.block_m) + -(-n // cfg.block_n) + 1
+        current = self.counters.get(kind)
+        if current is None or current.numel() < need or current.device != device:
+            current = self.counters[kind] = torch.zeros(need, dtype=torch.int32, device=device)
+        return current
 
 
 def run_gemm(
     hooks: GemmSensorHooks,
+    plan: Any | None,
     a: torch.Tensor,
     b: torch.Tensor,
     bias: torch.Tensor | None,
@@ -54,8 +79,7 @@ def run_gemm(
     tiling: Tiling,
     fast: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
-    """One GEMM, checked if the sensor plans a check or a fault, else the fast path."""
-    plan = hooks.plan()
+    """One GEMM on the reference path: checked if planned (a check or a fault), else the fast path."""
     if plan is None:
         return fast()
     if plan.fault_needs_scale:
@@ -65,13 +89,7 @@ def run_gemm(
         scale = (clean.row_sum - clean.row_ref).norm()
         plan.injection.fault = dataclasses.replace(plan.fault, delta=plan.fault.delta * scale)
     result = checked_gemm(
-        a,
-        b,
-        out_dtype=out_dtype,
-        bias=bias,
-        col_check=plan.check and plan.col_check,
-        tiling=tiling,
-        fault=plan.fault,
+        a, b, out_dtype=out_dtype, bias=bias, col_check=plan.check and plan.col_check, tiling=tiling, fault=plan.fault
     )
     hooks.observe(plan, GemmOperands(a, b, bias, out_dtype, tiling), result)
     return result.out
@@ -81,20 +99,32 @@ class CheckedLinearFunction(torch.autograd.Function):
     """Y = X·Wᵀ + b over a 2-D input X [M, K]; see the module docstring for dgrad and wgrad."""
 
     @staticmethod
-    def forward(ctx, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, hooks: LinearHooks):
+    def forward(ctx, x2d, weight, bias, hooks: LinearHooks, source: torch.Tensor):
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        plans = (
+            hooks.forward.plan(),
+            hooks.dgrad.plan() if needs_dx else None,
+            hooks.wgrad.plan() if needs_dw else None,
+        )
+        ctx.plans, ctx.hooks, ctx.has_bias, ctx.source = plans, hooks, bias is not None, source
+        ctx.x_stats = None
         with torch.autocast(x2d.device.type, enabled=False):
-            out = run_gemm(
-                hooks.forward,
-                x2d,
-                weight.t(),
-                bias,
-                out_dtype=x2d.dtype,
-                tiling=hooks.tiling,
-                fast=lambda: F.linear(x2d, weight, bias),
-            )
+            if hooks.use_triton(x2d, weight):
+                ctx.triton = True
+                out = _triton_forward(ctx, x2d, weight, bias)
+            else:
+                ctx.triton = False
+                out = run_gemm(
+                    hooks.forward,
+                    plans[0],
+                    x2d,
+                    weight.t(),
+                    bias,
+                    out_dtype=x2d.dtype,
+                    tiling=hooks.tiling,
+                    fast=lambda: F.linear(x2d, weight, bias),
+                )
         ctx.save_for_backward(x2d, weight)
-        ctx.has_bias = bias is not None
-        ctx.hooks = hooks
         hooks.after_call()
         return out
 
@@ -103,30 +133,116 @@ class CheckedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2d, weight = ctx.saved_tensors
         hooks: LinearHooks = ctx.hooks
+        _, dgrad_plan, wgrad_plan = ctx.plans
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                dx = run_gemm(
-                    hooks.dgrad,
-                    dy,
-                    weight,
-                    None,
-                    out_dtype=x2d.dtype,
-                    tiling=hooks.tiling,
-                    fast=lambda: dy.mm(weight),
-                )
-            if ctx.needs_input_grad[1]:
-                dy_t = dy.t()
-                dw = run_gemm(
-                    hooks.wgrad,
-                    dy_t,
-                    x2d,
-                    None,
-                    out_dtype=weight.dtype,
-                    tiling=hooks.tiling,
-                    fast=lambda: dy_t.mm(x2d),
-                )
+            if ctx.triton and triton_linear.usable(dy.contiguous()):
+                dx, dw = _triton_backward(ctx, dy.contiguous(), x2d, weight)
+            else:
+                if ctx.needs_input_grad[0]:
+                    dx = run_gemm(
+                        hooks.dgrad, dgrad_plan, dy, weight, None, out_dtype=x2d.dtype, tiling=hooks.tiling,
+                        fast=lambda: dy.mm(weight),
+                    )  # fmt: skip
+                if ctx.needs_input_grad[1]:
+                    dy_t = dy.t()
+                    dw = run_gemm(
+                        hooks.wgrad, wgrad_plan, dy_t, x2d, None, out_dtype=weight.dtype, tiling=hooks.tiling,
+                        fast=lambda: dy_t.mm(x2d),
+                    )  # fmt: skip
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy.sum(dim=0)
         hooks.after_call()
-        return dx, dw, db, None
+        return dx, dw, db, None, None
+
+
+def _triton_forward(ctx, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    hooks: LinearHooks = ctx.hooks
+    fwd_plan, _, wgrad_plan = ctx.plans
+    if fwd_plan is None and wgrad_plan is None:
+        return F.linear(x2d, weight, bias)
+    col_sum, col_sq, _, _ = hooks.weight_stats.get(weight, ctx.source)
+    m, n = x2d.shape[0], weight.shape[0]
+    out = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
+    result = triton_linear.run(
+        hooks.forward,
+        fwd_plan,
+        x2d,
+        weight,
+        out,
+        a_t=False,
+        b_t=True,
+        bias=bias,
+        cvec=col_sum,
+        beta=col_sq,
+        u1=None,
+        u2=None,
+        col_check=hooks.forward.col_check,
+        counters=hooks.counters_for("fwd", m, n, x2d.device),
+        state=hooks.state,
+        weight_stats=lambda: triton_linear.WeightStats.compute(weight)[0],
+    )
+    ctx.x_stats = result.byproducts()  # X·1, ‖X_m‖²: the wgrad's c and β
+    return out
+
+
+def _triton_backward(ctx, dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor):
+    hooks: LinearHooks = ctx.hooks
+    _, dgrad_plan, wgrad_plan = ctx.plans
+    wgrad_cols = wgrad_plan is not None and hooks.wgrad.col_check
+    dx = dw = None
+    dy_stats = None
+    if ctx.needs_input_grad[0]:
+        if dgrad_plan is None and not wgrad_cols:
+            dx = dy.mm(weight)
+        else:
+            _, _, row_sum, row_sq = hooks.weight_stats.get(weight, ctx.source)
+            m, n = dy.shape[0], weight.shape[1]
+            dx = torch.empty(m, n, dtype=x2d.dtype, device=dy.device)
+            result = triton_linear.run(
+                hooks.dgrad,
+                dgrad_plan,
+                dy,
+                weight,
+                dx,
+                a_t=False,
+                b_t=False,
+                bias=None,
+                cvec=row_sum,
+                beta=row_sq,
+                u1=None,
+                u2=None,
+                col_check=hooks.dgrad.col_check,
+                counters=hooks.counters_for("dgrad", m, n, dy.device),
+                state=hooks.state,
+                weight_stats=lambda: triton_linear.WeightStats.compute(weight)[2],
+            )
+            dy_stats = result.byproducts()  # dY·1, ‖dY_m‖²: the wgrad's column side
+    if ctx.needs_input_grad[1]:
+        if wgrad_plan is None:
+            dw = dy.t().mm(x2d)
+        else:
+            if ctx.x_stats is None:  # the forward ran elsewhere (e.g. on another backend)
+                ctx.x_stats = triton_linear.row_stats(x2d)
+            if wgrad_cols and dy_stats is None:  # no dgrad ran: one pass over dY for the column side
+                dy_stats = triton_linear.row_stats(dy)
+            m, n = dy.shape[1], x2d.shape[1]
+            dw = torch.empty(m, n, dtype=weight.dtype, device=dy.device)
+            triton_linear.run(
+                hooks.wgrad,
+                wgrad_plan,
+                dy,
+                x2d,
+                dw,
+                a_t=True,
+                b_t=False,
+                bias=None,
+                cvec=ctx.x_stats[0],
+                beta=ctx.x_stats[1],
+                u1=dy_stats[0] if wgrad_cols else None,
+                u2=dy_stats[1] if wgrad_cols else None,
+                col_check=wgrad_cols,
+                counters=hooks.counters_for("wgrad", m, n, dy.device),
+                state=hooks.state,
+            )
+    return dx, dw

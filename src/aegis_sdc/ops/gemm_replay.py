@@ -61,6 +61,31 @@ class RegionDiff:
         return not (self.tiles or self.output_differs or self.reference_differs)
 
 
+def diff_regions(x: RegionReplay, y: RegionReplay, tiling: Tiling, region: Tile) -> RegionDiff:
+    """Compare two executions of a region tile by tile, bit for bit (output, partial checksums,
+    reference side); tiles are reported in the GEMM's coordinates."""
+    rb, cb = tiling.rows, tiling.cols
+    rows, cols = x.out.shape
+    has_cols = bool(x.col_partials.numel() and y.col_partials.numel())
+    tiles = []
+    output_differs = False
+    for i, r0 in enumerate(range(0, rows, rb)):
+        r1 = min(r0 + rb, rows)
+        for j, c0 in enumerate(range(0, cols, cb)):
+            c1 = min(c0 + cb, cols)
+            out_differs = not bitwise_equal(x.out[r0:r1, c0:c1], y.out[r0:r1, c0:c1])
+            sums_differ = not bitwise_equal(x.row_partials[j, r0:r1], y.row_partials[j, r0:r1])
+            if has_cols:
+                sums_differ |= not bitwise_equal(x.col_partials[i, c0:c1], y.col_partials[i, c0:c1])
+            output_differs |= out_differs
+            if out_differs or sums_differ:
+                tiles.append(
+                    Tile(region.row_start + r0, region.row_start + r1, region.col_start + c0, region.col_start + c1)
+                )
+    reference_differs = not bitwise_equal(x.row_ref, y.row_ref) or not bitwise_equal(x.b_rowsum, y.b_rowsum)
+    return RegionDiff(tuple(tiles), output_differs, reference_differs)
+
+
 def _block_range(index: int, block: int, size: int) -> tuple[int, int]:
     start = (index // block) * block
     return start, min(start + block, size)
@@ -156,26 +181,7 @@ class GemmCapture:
         return result
 
     def diff(self, x: RegionReplay, y: RegionReplay) -> RegionDiff:
-        """Compare two executions of the region tile by tile, bit for bit."""
-        rb, cb = self.tiling.rows, self.tiling.cols
-        rows, cols = x.out.shape
-        has_cols = bool(x.col_partials.numel() and y.col_partials.numel())
-        tiles = []
-        output_differs = False
-        for i, r0 in enumerate(range(0, rows, rb)):
-            r1 = min(r0 + rb, rows)
-            for j, c0 in enumerate(range(0, cols, cb)):
-                c1 = min(c0 + cb, cols)
-                out_differs = not bitwise_equal(x.out[r0:r1, c0:c1], y.out[r0:r1, c0:c1])
-                sums_differ = not bitwise_equal(x.row_partials[j, r0:r1], y.row_partials[j, r0:r1])
-                if has_cols:
-                    sums_differ |= not bitwise_equal(x.col_partials[i, c0:c1], y.col_partials[i, c0:c1])
-                output_differs |= out_differs
-                if out_differs or sums_differ:
-                    g = self.region
-                    tiles.append(Tile(g.row_start + r0, g.row_start + r1, g.col_start + c0, g.col_start + c1))
-        reference_differs = not bitwise_equal(x.row_ref, y.row_ref) or not bitwise_equal(x.b_rowsum, y.b_rowsum)
-        return RegionDiff(tuple(tiles), output_differs, reference_differs)
+        return diff_regions(x, y, self.tiling, self.region)
 
     def exact_violations(self) -> int:
         """Saved values outside the deterministic fp32 error bound of an fp64 recomputation."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import struct
 from collections import deque
 from dataclasses import dataclass
 
@@ -25,8 +26,10 @@ from aegis_sdc.config import ThresholdConfig
 from aegis_sdc.events import Channel, Evidence, Site
 from aegis_sdc.faults.injector import FaultInjector, Injection
 from aegis_sdc.faults.models import AccumulatorFault
+from aegis_sdc.kernels import triton_gemm as tg
 from aegis_sdc.kernels.reference import TINY, U32, GemmChecksums
 from aegis_sdc.ops.gemm_replay import GemmCapture, GemmOperands
+from aegis_sdc.ops.triton_replay import TritonGemmCapture
 from aegis_sdc.sensors.sampling import Sampler
 from aegis_sdc.sensors.thresholds import ThresholdState, worst_case_bound
 
@@ -90,8 +93,45 @@ class CallPlan:
 class CallRecord:
     sensor: GemmSensor
     plan: CallPlan
-    stats: torch.Tensor  # [STATS_LEN] float64
-    capture: GemmCapture | None  # the replay context, when the call crossed a threshold
+    stats: torch.Tensor | None  # [STATS_LEN] float64 (reference path)
+    capture: object | None  # the replay context, when the call crossed a threshold
+    alarm: bool = False
+    raw: torch.Tensor | None = None  # Triton path: the kernel's int64 evidence slot, decoded at step end
+    triton_call: object | None = None
+    thresholds: tuple[float, float] = (math.inf, math.inf)
+
+    def finish_triton(self, raw: list[int]) -> list[float]:
+        """Decode the kernel's evidence slot and, on an alarm, take the capture out of the pool."""
+        stats = decode_triton_stats(raw, *self.thresholds)
+        self.alarm = raw[tg.ST_ALARM] != 0
+        if self.alarm and raw[tg.ST_SLOT] > 0:
+            self.capture = TritonGemmCapture(
+                self.triton_call, int(raw[tg.ST_SLOT]) - 1, int(stats[ROW_INDEX]), int(stats[COL_INDEX])
+            )
+        self.triton_call = None  # release the references to operands and pools
+        return stats
+
+
+def _float_of_bits(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+
+
+def decode_triton_stats(raw: list[int], row_threshold: float, col_threshold: float) -> list[float]:
+    """The Triton kernel's packed evidence slot → the reference path's evidence layout."""
+    l2 = struct.unpack("<2d", struct.pack("<2q", raw[tg.ST_ROW_L2SQ], raw[tg.ST_COL_L2SQ]))
+    row_value = _float_of_bits(raw[tg.ST_ROW] >> 32)
+    col_value = _float_of_bits(raw[tg.ST_COL] >> 32)
+    return [
+        row_value,
+        float(raw[tg.ST_ROW] & 0xFFFFFFFF),
+        math.sqrt(max(l2[0], 0.0)),
+        col_value,
+        float(raw[tg.ST_COL] & 0xFFFFFFFF),
+        math.sqrt(max(l2[1], 0.0)),
+        float(raw[tg.ST_NONFINITE] > 0),
+        row_threshold,
+        col_threshold,
+    ]
 
 
 @dataclass
@@ -160,18 +200,37 @@ class GemmSensor:
         needs_scale = injection is not None and injection.fault.model == "perturb" and self.median_l2 is None
         return CallPlan(self.site, step, call, check, self.col_check, injection, needs_scale)
 
-    def observe(self, plan: CallPlan, operands: GemmOperands, result: GemmChecksums) -> None:
-        if not plan.check:
-            return  # a fault fired on an unsampled call: it corrupts training unseen
-        m, k = operands.a.shape
-        n = operands.b.shape[1]
-        if self.row.hard_bound == math.inf:
+    def thresholds(self, m: int, k: int, n: int) -> tuple[float, float]:
+        """The thresholds in force for a call of shape C[M, N] = A[M, K]·B[K, N]."""
+        if self.row.hard_bound == math.inf:  # first call: the exact worst case guards calibration
             self.row.hard_bound = self.row.current = worst_case_bound(k, n)
             self.col.hard_bound = self.col.current = worst_case_bound(k, m)
-        self.step_stats.checks += 1
-        stats = evidence_stats(result, self.row.current, self.col.current if self.col_check else math.inf)
+        return self.row.current, (self.col.current if self.col_check else math.inf)
+
+    def _executed(self, plan: CallPlan) -> bool:
+        """Record a planned fault as applied; True when the call was checked."""
+        if plan.injection is not None:
+            self.injector.applied(plan.injection)
+        if plan.check:
+            self.step_stats.checks += 1
+        return plan.check
+
+    def observe(self, plan: CallPlan, operands: GemmOperands, result: GemmChecksums) -> None:
+        if not self._executed(plan):
+            return  # a fault fired on an unsampled call: it corrupts training unseen
+        m, k = operands.a.shape
+        thresholds = self.thresholds(m, k, operands.b.shape[1])
+        stats = evidence_stats(result, *thresholds)
         capture = self._capture_if_alarmed(stats, operands, result, plan)
-        self.recorder.append(CallRecord(self, plan, stats, capture))
+        self.recorder.append(CallRecord(self, plan, stats, capture, alarm=capture is not None))
+
+    def observe_triton(self, plan: CallPlan, call, raw: torch.Tensor | None, shape: tuple[int, int, int]) -> None:
+        """A Triton launch planned by this sensor; its evidence stays on the device until step end."""
+        if not self._executed(plan):
+            return
+        self.recorder.append(
+            CallRecord(self, plan, None, None, raw=raw, triton_call=call, thresholds=self.thresholds(*shape))
+        )
 
     def _capture_if_alarmed(
         self, stats: torch.Tensor, operands: GemmOperands, result: GemmChecksums, plan: CallPlan
@@ -196,7 +255,7 @@ class GemmSensor:
         """Update statistics and calibration; the Evidence if the call alarmed."""
         row_value, col_value = stats[ROW_VALUE], stats[COL_VALUE]
         st = self.step_stats
-        if record.capture is None:
+        if not record.alarm:
             st.max_row = max(st.max_row, row_value)
             st.max_col = max(st.max_col, col_value)
             self.row.observe_clean(row_value)
@@ -250,8 +309,8 @@ class GemmSensor:
             threshold=threshold,
             index=int(index),
             raw_l2=l2,
-            tile=record.capture.region,
-            channels=over,
+            tile=record.capture.region if record.capture is not None else None,
+            channels=over or (channel,),
         )
 
     def on_false_alarm(self, evidence: Evidence) -> None:

@@ -1,0 +1,168 @@
+"""Sensitivity of the accumulator checksums: the AEGIS fault-injection experiment, on the GPU kernel.
+
+For each GEMM of a Linear (forward, dgrad, wgrad) at a real shape, with fresh random bf16 operands on
+every call:
+
+1. calibrate as the guard does: threshold = 4 × the median of the first 16 clean values of the
+   normalized row statistic (for the fp32-accumulator checksum and, separately, for the same
+   checksum taken from the bf16 output);
+2. m = the median over ≥ 500 clean calls of ‖(AB)·1 − A·(B·1)‖₂ from the fp32 accumulator;
+3. add ±r·m to one random accumulator element (before checksum and rounding), 100 repeats per r;
+   a fault is detected when the call's statistic exceeds the threshold;
+4. count false alarms over ≥ 10⁴ clean calls.
+
+    python benchmarks/sensitivity.py [--out benchmarks/results/sensitivity.json] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import struct
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from aegis_sdc.config import ThresholdConfig
+from aegis_sdc.kernels import triton_gemm as tg
+
+U32 = 2.0**-24
+R_VALUES = (0.25, 0.5, 1, 2, 4, 16, 1e2, 1e3, 1e4, 1e5)
+
+
+class Gemm:
+    """One GEMM kind with preallocated operands that are refilled with random values per call."""
+
+    def __init__(self, kind: str, m: int, k: int, n: int, device: str) -> None:
+        self.kind, self.device = kind, device
+        bf16 = torch.bfloat16
+        self.x = torch.empty(m, k, device=device, dtype=bf16)
+        self.w = torch.empty(n, k, device=device, dtype=bf16)
+        self.dy = torch.empty(m, n, device=device, dtype=bf16)
+        shape = {"fwd": (m, n), "dgrad": (m, k), "wgrad": (n, k)}[kind]
+        self.out = torch.empty(*shape, device=device, dtype=bf16)
+        self.counters = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def refill(self) -> None:
+        self.x.normal_()
+        self.w.normal_().mul_(self.x.shape[1] ** -0.5)
+        self.dy.normal_()
+
+    def run(self, fault=None) -> tuple[float, float, float]:
+        """(fp32-accumulator statistic, the same from the bf16 output, raw L2) of one call."""
+        f32, f64 = torch.float32, torch.float64
+        x, w, dy = self.x, self.w, self.dy
+        if self.kind == "fwd":
+            a, b, a_t, b_t, bmat = x, w, False, True, w.t()
+        elif self.kind == "dgrad":
+            a, b, a_t, b_t, bmat = dy, w, False, False, w
+        else:
+            a, b, a_t, b_t, bmat = dy, x, True, False, x
+        cvec = bmat.sum(dim=1, dtype=f64)
+        beta = torch.linalg.vector_norm(bmat, dim=1, dtype=f32).square()
+        stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=self.device)
+        result = tg.launch_checked_gemm(
+            a, b, self.out, a_t=a_t, b_t=b_t, cvec=cvec, beta=beta, row_check=True, row_side=True,
+            stats=stats, counters=self.counters, row_threshold=1e30, fault=fault,
+        )  # fmt: skip
+        raw = stats.tolist()
+        value = struct.unpack("<f", struct.pack("<I", (raw[tg.ST_ROW] >> 32) & 0xFFFFFFFF))[0]
+        l2 = struct.unpack("<d", struct.pack("<q", raw[tg.ST_ROW_L2SQ]))[0] ** 0.5
+        # The same checksum from the rounded bf16 output: Σ_j out_ij against A·(B·1).
+        vec = result.rowvec.sum(dim=1)  # [4, M] fp64
+        scale = U32 * vec[1].sqrt()
+        bf16_value = float(((self.out.double().sum(dim=1) - vec[0]).abs() / scale.clamp_min(1e-300)).max())
+        return value, bf16_value, l2
+
+
+def study(kind: str, shape: tuple[int, int, int], device: str, clean_for_m: int, clean_calls: int, repeats: int):
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    gemm = Gemm(kind, *shape, device=device)
+    margin = ThresholdConfig().margin
+    calib32, calib16 = [], []
+    for _ in range(ThresholdConfig().calibration_checks):
+        gemm.refill()
+        v32, v16, _ = gemm.run()
+        calib32.append(v32)
+        calib16.append(v16)
+    thr32, thr16 = margin * statistics.median(calib32), margin * statistics.median(calib16)
+    l2s = []
+    for _ in range(clean_for_m):
+        gemm.refill()
+        l2s.append(gemm.run()[2])
+    m = statistics.median(l2s)
+    false_alarms = false_alarms_bf16 = 0
+    clean_max = 0.0
+    for i in range(clean_calls):
+        gemm.refill()
+        v32, v16, _ = gemm.run()
+        false_alarms += v32 > thr32
+        clean_max = max(clean_max, v32)
+        if i < 1000:
+            false_alarms_bf16 += v16 > thr16
+    rows, cols = gemm.out.shape
+    detection = {}
+    for r in R_VALUES:
+        hits32 = hits16 = 0
+        for _ in range(repeats):
+            gemm.refill()
+            sign = 1.0 if rng.random() < 0.5 else -1.0
+            fault = (tg.FAULT_PERTURB, rng.randrange(rows), rng.randrange(cols), sign * r * m, 0)
+            v32, v16, _ = gemm.run(fault)
+            hits32 += v32 > thr32
+            hits16 += v16 > thr16
+        detection[str(r)] = {"fp32_accumulator": hits32 / repeats, "bf16_output": hits16 / repeats}
+        print(f"{kind:5s} r={r:<8g} fp32 {hits32 / repeats:.2f}  bf16-output {hits16 / repeats:.2f}", flush=True)
+    bf16_r99 = next((r for r in R_VALUES if detection[str(r)]["bf16_output"] >= 0.99), None)
+    return {
+        "gemm": kind,
+        "shape_MKN": shape,
+        "threshold_fp32": thr32,
+        "threshold_bf16_output": thr16,
+        "median_clean_l2_m": m,
+        "clean_calls": clean_calls,
+        "false_alarms": false_alarms,
+        "clean_max_over_threshold": clean_max / thr32,
+        "false_alarms_bf16_output_first_1000": false_alarms_bf16,
+        "detection": detection,
+        "bf16_r_for_99": bf16_r99,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sensitivity.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and counts (CPU interpreter check)")
+    args = parser.parse_args()
+    if args.smoke:
+        device, shape, clean_for_m, clean_calls, repeats = "cpu", (64, 48, 96), 20, 30, 4
+    else:
+        device, shape, clean_for_m, clean_calls, repeats = "cuda", (4096, 4096, 4096), 500, 10_000, 100
+    started = time.time()
+    rows = [study(kind, shape, device, clean_for_m, clean_calls, repeats) for kind in ("fwd", "dgrad", "wgrad")]
+    summary = {
+        "fp32_detection_at_r1": min(r["detection"]["1"]["fp32_accumulator"] for r in rows),
+        "clean_calls": sum(r["clean_calls"] for r in rows),
+        "false_alarms": sum(r["false_alarms"] for r in rows),
+        "bf16_r_for_99": max((r["bf16_r_for_99"] or float("inf")) for r in rows),
+        "per_gemm_fp32_detection_at_r1": {r["gemm"]: r["detection"]["1"]["fp32_accumulator"] for r in rows},
+        "per_gemm_bf16_r_for_99": {r["gemm"]: r["bf16_r_for_99"] for r in rows},
+    }
+    env = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", *sys.argv]),
+           "seconds": round(time.time() - started, 1)}  # fmt: skip
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"env": env, "rows": rows, "summary": summary}, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""The Linear's three GEMMs on the fused Triton kernel (CUDA tensors; CPU under TRITON_INTERPRET=1).
+
+Reference-side vectors, and where they come from (no extra pass over a large operand):
+
+    forward  C = X·Wᵀ   c = Wᵀ·1, β = ‖W_:,k‖²   cached once per weight version (`WeightStats`)
+    dgrad    C = dY·W   c = W·1,  β = ‖W_n,:‖²   same cache
+    wgrad    C = dYᵀ·X  c = X·1,  β = ‖X_m‖²     by-products of the forward kernel, which read X
+                        u1 = dY·1, u2 = ‖dY_m‖²  by-products of the dgrad kernel, which read dY
+
+So that the by-products exist when the wgrad is checked, the backward's plans are made at forward
+time: a forward whose wgrad will be checked runs the Triton kernel even when the forward itself is
+not sampled (the kernel runs at cuBLAS speed; only the forward's evidence is skipped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from aegis_sdc.kernels import triton_gemm as tg
+from aegis_sdc.ops.triton_replay import TritonGemmCall
+
+
+@dataclasses.dataclass
+class DeviceState:
+    """Per-device buffers the guard owns for one step: evidence slots and capture pools."""
+
+    capacity: int = 1024
+    pool_slots: int = 4
+    _stats: dict = dataclasses.field(default_factory=dict)  # device → (buffer [cap, 8] int64, next row)
+    _pools: dict = dataclasses.field(default_factory=dict)  # (device, dtype) → CapturePool
+    used_pools: list = dataclasses.field(default_factory=list)
+
+    def stats_slot(self, device: torch.device) -> torch.Tensor:
+        buffer, used = self._stats.get(device, (None, 0))
+        if buffer is None or used >= buffer.shape[0]:
+            buffer, used = torch.zeros(self.capacity, tg.STATS_LEN, dtype=torch.int64, device=device), 0
+        self._stats[device] = (buffer, used + 1)
+        return buffer[used]
+
+    def pool(self, device: torch.device, dtype: torch.dtype, data_len: int, f32_len: int) -> tg.CapturePool:
+        key = (device, dtype)
+        pool = self._pools.get(key)
+        if pool is None or pool.data.shape[1] < data_len or pool.f32.shape[1] < f32_len:
+            if pool is not None:
+                data_len, f32_len = max(data_len, pool.data.shape[1]), max(f32_len, pool.f32.shape[1])
+            pool = tg.CapturePool.allocate(self.pool_slots, data_len, f32_len, dtype, device)
+            self._pools[key] = pool
+        if pool not in self.used_pools:
+            self.used_pools.append(pool)
+        return pool
+
+    def end_step(self) -> None:
+        """After the step's evidence was read: fresh slots and free pools for the next step."""
+        for device, (buffer, used) in list(self._stats.items()):
+            if used:
+                buffer[:used].zero_()
+                self._stats[device] = (buffer, 0)
+        for pool in self.used_pools:
+            pool.counter.zero_()
+        self.used_pools.clear()
+
+
+class WeightStats:
+    """c and β of a weight for forward and dgrad, recomputed only when the weight changes."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value: tuple[torch.Tensor, ...] | None = None
+
+    @staticmethod
+    def compute(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(Wᵀ·1, ‖W_:,k‖², W·1, ‖W_n,:‖²) for W [N, K]: the sums in fp64, the squares in fp32.
+
+        Deterministic torch reductions, so a replay can recompute them bit for bit."""
+        f32, f64 = torch.float32, torch.float64
+        col_sum = w.sum(dim=0, dtype=f64)
+        col_sq = torch.linalg.vector_norm(w, dim=0, dtype=f32).square()
+        row_sum = w.sum(dim=1, dtype=f64)
+        row_sq = torch.linalg.vector_norm(w, dim=1, dtype=f32).square()
+        return col_sum, col_sq, row_sum, row_sq
+
+    def get(self, w: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # `source` is the parameter; `w` may be its autocast copy. The copy's values are a function
+        # of the parameter's, so the parameter's version (and storage) identify them.
+        key = (source.data_ptr(), source._version, w.dtype, tuple(w.shape))
+        if key != self._key:
+            self._key, self._value = key, self.compute(w)
+        return self._value
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton path can take these operands (device, dtype, TMA alignment).
+
+    A 2-D operand [R, C] yields outputs whose rows have R or C elements, so both must give 16-byte
+    aligned rows (a weight [N, K] makes forward outputs [M, N] and dgrad outputs [M, K])."""
+    for t in tensors:
+        if t.device.type != "cuda" and not tg.INTERPRET:
+            return False
+        if not tg.tma_compatible(t) or (t.shape[0] * t.element_size()) % 16:
+            return False
+    return True
+
+
+def row_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t·1 in fp64, ‖t_i‖² in fp32) [rows], when no kernel produced them as by-products (one pass over t)."""
+    return t.sum(dim=1, dtype=torch.float64), torch.linalg.vector_norm(t, dim=1, dtype=torch.float32).square()
+
+
+def _fault_args(fault) -> tuple | None:
+    """Kernel arguments of a fault whose element is resolved (row and col set)."""
+    if fault is None:
+        return None
+    if fault.model == "perturb":
+        return (tg.FAULT_PERTURB, fault.row, fault.col, float(fault.delta), 0)
+    mask = -(2**31) if fault.bit == 31 else 1 << fault.bit
+    return (tg.FAULT_BITFLIP, fault.row, fault.col, 0.0, mask)
+
+
+def run(
+    sensor: Any,
+    plan: Any,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    a_t: bool,
+    b_t: bool,
+    bias: torch.Tensor | None,
+    cvec: torch.Tensor,
+    beta: torch.Tensor,
+    u1: torch.Tensor | None,
+    u2: torch.Tensor | None,
+    col_check: bool,
+    counters: torch.Tensor,
+    state: DeviceState,
+    weight_stats=None,
+) -> tg.GemmLaunch:
+    """One GEMM on the Triton kernel, checked if `plan` says so; by-products always computed."""
+    m, n = out.shape
+    k = a.shape[0] if a_t else a.shape[1]
+    cfg = tg.default_config()
+    check = plan is not None and plan.check
+    fault = plan.fault if plan is not None else None
+    if fault is not None:
+        row, col = fault.element(m, n)
+        fault = dataclasses.replace(fault, row=row, col=col)
+        if plan.fault_needs_scale:
+            # A perturb fault before the site knows its median clean difference: measure this call
+            # first (one clean launch and a host read: fault-injection runs only).
+            stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=a.device)
+            tg.launch_checked_gemm(
+                a, b, torch.empty_like(out), a_t=a_t, b_t=b_t, bias=bias, cvec=cvec, beta=beta,
+                row_check=True, row_side=True, stats=stats, counters=counters, cfg=cfg,
+            )  # fmt: skip
+            clean_l2 = float(stats.view(torch.float64)[tg.ST_ROW_L2SQ]) ** 0.5
+            fault = dataclasses.replace(fault, delta=fault.delta * clean_l2)
+        plan.injection.fault = fault
+    stats = state.stats_slot(a.device) if check else None
+    capture = tg.CAPTURE_NONE
+    pool = None
+    if check:
+        # wgrad (u1 given) localizes both coordinates in-kernel: a tile. Forward and dgrad capture
+        # the row block against the whole weight (their column check runs after the kernel).
+        capture = tg.CAPTURE_TILE if col_check and u1 is not None else tg.CAPTURE_ROWS
+        data_len, f32_len = tg.CapturePool.layout(m, n, k, capture, cfg)
+        pool = state.pool(a.device, out.dtype, data_len, f32_len)
+    thresholds = sensor.thresholds(m, k, n) if check else (float("inf"), float("inf"))
+    result = tg.launch_checked_gemm(
+        a,
+        b,
+        out,
+        a_t=a_t,
+        b_t=b_t,
+        bias=bias,
+        cvec=cvec,
+        beta=beta,
+        u1=u1,
+        u2=u2,
+        row_check=check,
+        row_side=True,
+        col_check=check and col_check,
+        stats=stats,
+        counters=counters,
+        pool=pool,
+        capture=capture,
+        row_threshold=thresholds[0],
+        col_threshold=thresholds[1],
+        fault=_fault_args(fault),
+        cfg=cfg,
+    )
+    if plan is not None:
+        call = TritonGemmCall(
+            a_t=a_t,
+            b_t=b_t,
+            m=m,
+            n=n,
+            k=k,
+            dtype=out.dtype,
+            cfg=cfg,
+            capture_kind=capture,
+            b=b if capture == tg.CAPTURE_ROWS else None,
+            bias=bias,
+            cvec=cvec,
+            beta=beta,
+            u1=u1,
+            u2=u2,
+            pool=pool,
+            fault=_fault_args(fault) if fault is not None and fault.affects_replay else None,
+            weight_stats=weight_stats,
+        )
+        sensor.observe_triton(plan, call, stats, (m, k, n))
+    return result

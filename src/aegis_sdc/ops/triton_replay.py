@@ -1,0 +1,233 @@
+"""Replay contexts of the fused Triton GEMM (CUDA tensors; CPU under TRITON_INTERPRET=1).
+
+The kernel's last evidence program copies the context of an alarm into a capture-pool slot (see
+kernels/triton_gemm.py, `_capture`). At the end of the step the host reads the evidence and, for an
+alarm, turns the slot into a `TritonGemmCapture`. Its replay relaunches the same kernel with the same
+tile configuration on the captured slabs, with the original tile coordinates and tile counts
+(`pid_base`, `ranges`), so every compared value is recomputed by the code that produced it:
+
+    rows (forward, dgrad): A's row block (copied) against the whole of B (the weight, by reference):
+                           every tile of the block — accumulator row sums, rounded-output row sums,
+                           and the block's reference-side partials
+    tile (wgrad):          A's row block and B's column block (both copied): one tile, and its
+                           shares of the row block's and the column block's reference sides
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from aegis_sdc.events import Tile
+from aegis_sdc.kernels import triton_gemm as tg
+from aegis_sdc.kernels.reference import U32, bitwise_equal
+from aegis_sdc.ops.gemm_replay import RegionDiff
+
+
+@dataclasses.dataclass
+class TritonGemmCall:
+    """What the host keeps of one checked launch until the end of the step (no tensor data copied)."""
+
+    a_t: bool
+    b_t: bool
+    m: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    cfg: tg.TritonGemmConfig
+    capture_kind: int
+    b: torch.Tensor | None  # B's storage, referenced for a rows capture (the weight)
+    bias: torch.Tensor | None
+    cvec: torch.Tensor
+    beta: torch.Tensor
+    u1: torch.Tensor | None
+    u2: torch.Tensor | None
+    pool: tg.CapturePool | None
+    fault: tuple | None  # (model, row, col, delta, mask) of a persistent fault, else None
+    weight_stats: object | None = None  # recomputes cvec from the weight, to verify the reference side
+
+    @property
+    def references(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.b, self.bias) if t is not None)
+
+
+@dataclasses.dataclass
+class TritonRegion:
+    """One execution of a captured region, in the kernel's own units (fp32 per-tile partials)."""
+
+    row_part: torch.Tensor  # [tiles, R]: Σ acc over each column tile
+    out_part: torch.Tensor  # [tiles, R]: Σ of the rounded output over each column tile
+    ref_part: torch.Tensor  # [parts, R]: A·c over the K sub-ranges computed here
+    col_part: torch.Tensor  # [1, C] or empty: Σ acc over the tile's rows
+    colref_part: torch.Tensor  # [1, C] or empty: u1ᵀB over the tile's K sub-range
+    b_rowsum: torch.Tensor  # B·1 used (recomputed from the weight when verifying)
+
+
+class TritonGemmCapture:
+    """A vTask payload for the Triton path (the interface of ops.gemm_replay.GemmCapture)."""
+
+    def __init__(self, call: TritonGemmCall, slot: int, row_index: int, col_index: int) -> None:
+        self.call = call
+        cfg = call.cfg
+        bm, bn, k = cfg.block_m, cfg.block_n, call.k
+        self.tiles_m, self.tiles_n = -(-call.m // bm), -(-call.n // bn)
+        self.row_block = row_index // bm
+        self.col_block = col_index // bn
+        r0 = self.row_block * bm
+        self.rows = min(bm, call.m - r0)
+        data = call.pool.data[slot].clone()  # the pool is reused next step: keep a copy
+        f32 = call.pool.f32[slot].clone()
+        self.a_slab = (data[: bm * k].view(k, bm) if call.a_t else data[: bm * k].view(bm, k)).contiguous()
+        rows = slice(0, self.rows)
+        if call.capture_kind == tg.CAPTURE_TILE:
+            self.extent = "tile"
+            c0 = self.col_block * bn
+            self.cols = min(bn, call.n - c0)
+            slab = data[bm * k : bm * k + bn * k]
+            self.b_slab = (slab.view(bn, k) if call.b_t else slab.view(k, bn)).contiguous()
+            parts = f32[: 6 * bm].view(6, bm)
+            cols = f32[6 * bm : 6 * bm + 3 * bn].view(3, bn)
+            self.saved = TritonRegion(
+                row_part=parts[0:1, rows],
+                out_part=parts[1:2, rows],
+                ref_part=parts[2:3, rows],
+                col_part=cols[0:1, : self.cols] if call.u1 is not None else torch.empty(0),
+                colref_part=cols[1:2, : self.cols] if call.u1 is not None else torch.empty(0),
+                b_rowsum=call.cvec,
+            )
+            self.region = Tile(r0, r0 + self.rows, c0, c0 + self.cols)
+            self.references: tuple[torch.Tensor, ...] = ()
+        else:
+            self.extent = "rows"
+            self.b_slab = None
+            t = self.tiles_n
+            parts = f32[: 6 * t * bm].view(6, t, bm)
+            self.saved = TritonRegion(
+                row_part=parts[0, :, rows],
+                out_part=parts[1, :, rows],
+                ref_part=parts[2, :, rows],
+                col_part=torch.empty(0),
+                colref_part=torch.empty(0),
+                b_rowsum=call.cvec,
+            )
+            self.region = Tile(r0, r0 + self.rows, 0, call.n)
+            self.references = call.references
+        self.versions = tuple(t._version for t in self.references)
+
+    @property
+    def references_tensors(self) -> bool:
+        return bool(self.references)
+
+    def references_changed(self) -> str | None:
+        for tensor, version in zip(self.references, self.versions, strict=True):
+            if tensor._version != version:
+                return f"a referenced tensor of shape {tuple(tensor.shape)} was modified before the replay"
+        return None
+
+    def inputs_finite(self) -> bool:
+        parts = [self.a_slab] + [t for t in (self.b_slab, self.call.b, self.call.bias) if t is not None]
+        return all(bool(torch.isfinite(p).all()) for p in parts)
+
+    def _bias(self) -> torch.Tensor | None:
+        bias = self.call.bias
+        if bias is None or self.b_slab is None:
+            return bias
+        c0 = self.region.col_start
+        return bias[c0 : c0 + self.cols]
+
+    def replay(self) -> TritonRegion:
+        """Recompute the region on the same kernel configuration (with a persistent fault, if modelled)."""
+        call = self.call
+        cfg = call.cfg
+        bm, bn = cfg.block_m, cfg.block_n
+        fault = None
+        if call.fault is not None:
+            model, row, col, delta, mask = call.fault
+            fault = (model, row - self.region.row_start, col - self.region.col_start, delta, mask)
+        tile = self.extent == "tile"
+        b = self.b_slab if tile else call.b
+        out = torch.empty(bm, bn if tile else call.n, dtype=call.dtype, device=self.a_slab.device)
+        result = tg.launch_checked_gemm(
+            self.a_slab,
+            b,
+            out,
+            a_t=call.a_t,
+            b_t=call.b_t,
+            bias=self._bias(),
+            cvec=call.cvec,
+            beta=call.beta,
+            u1=call.u1 if tile else None,
+            u2=call.u2 if tile else None,
+            row_check=True,
+            row_side=True,
+            col_check=tile and call.u1 is not None,
+            pid_base=(self.row_block, self.col_block if tile else 0),
+            ranges=(self.tiles_m, self.tiles_n),
+            fault=fault,
+            evidence=False,
+            cfg=cfg,
+        )
+        rows = slice(0, self.rows)
+        with_cols = tile and call.u1 is not None
+        b_rowsum = call.cvec
+        if not tile and call.weight_stats is not None:
+            b_rowsum = call.weight_stats()  # recompute B·1 from the weight: verifies the cached vector
+        f64 = torch.float64  # the capture pool keeps every partial in fp64 (fp32 ones upcast exactly)
+        return TritonRegion(
+            row_part=result.row_part[:, rows].to(f64),
+            out_part=result.out_part[:, rows].to(f64),
+            ref_part=result.rowvec[0][:, rows],
+            col_part=result.col_part[:, : self.cols].to(f64) if with_cols else torch.empty(0),
+            colref_part=result.colvec[0][:, : self.cols] if with_cols else torch.empty(0),
+            b_rowsum=b_rowsum,
+        )
+
+    def diff(self, x: TritonRegion, y: TritonRegion) -> RegionDiff:
+        bn = self.call.cfg.block_n
+        tiles = []
+        output_differs = False
+        for j in range(x.row_part.shape[0]):
+            out_differs = not bitwise_equal(x.out_part[j], y.out_part[j])
+            sums_differ = not bitwise_equal(x.row_part[j], y.row_part[j])
+            output_differs |= out_differs
+            if out_differs or sums_differ:
+                c0 = self.region.col_start + j * bn
+                tiles.append(Tile(self.region.row_start, self.region.row_stop, c0, min(c0 + bn, self.call.n)))
+        if not bitwise_equal(x.col_part, y.col_part) and not tiles:
+            tiles.append(self.region)
+        reference_differs = not (
+            bitwise_equal(x.ref_part, y.ref_part)
+            and bitwise_equal(x.colref_part, y.colref_part)
+            and bitwise_equal(x.b_rowsum, y.b_rowsum)
+        )
+        return RegionDiff(tuple(tiles), output_differs, reference_differs)
+
+    def exact_violations(self) -> int:
+        """Saved accumulator row sums outside the exact error bound of an fp64 recomputation.
+
+        Per tile, the saved value is an fp32 tree sum of `BN` fp32 accumulators, each within
+        γ_K·Σ_k|A_ik||B_kj| of the exact product (γ_K with u' = 2⁻²³, admitting truncation); the
+        tree adds at most ⌈log2 BN⌉ roundings of u' relative to the sum of magnitudes.
+        """
+        call = self.call
+        a = (self.a_slab.t() if call.a_t else self.a_slab)[: self.rows].double()
+        if self.b_slab is not None:
+            b = (self.b_slab.t() if call.b_t else self.b_slab)[:, : self.cols].double()
+        else:
+            b = (call.b.t() if call.b_t else call.b).double()
+        exact = a @ b
+        magnitude = a.abs() @ b.abs()
+        u2 = 2 * U32
+        gamma = call.k * u2 / (1 - call.k * u2)
+        bn = call.cfg.block_n
+        depth = math.ceil(math.log2(bn)) + 1
+        violations = 0
+        for j in range(self.saved.row_part.shape[0]):
+            cols = slice(j * bn, min((j + 1) * bn, exact.shape[1]))
+            mag = magnitude[:, cols].sum(dim=1)
+            bound = (gamma + depth * u2 * (1 + gamma)) * mag + 1e-30
+            diff = (self.saved.row_part[j].double() - exact[:, cols].sum(dim=1)).abs()
+            violations += int((~(diff <= bound)).sum())
+        return violations
