@@ -110,6 +110,9 @@ class Case:
             capture=self.capture if checked else tg.CAPTURE_NONE,
             row_threshold=1e30,  # timing: no alarm, so no capture copy (the alarm path is rare)
             col_threshold=1e30,
+            # A·1 and ‖A_i‖² are by-products a forward/dgrad computes for the wgrad's check: counted
+            # with the wgrad (whose c, β, u1, u2 are given here), not twice.
+            byproducts=False,
         )
 
 

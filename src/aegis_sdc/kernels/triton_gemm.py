@@ -84,8 +84,8 @@ def _load_b(b_desc, off_n, k, B_T: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _row_side(a_ptr, stride_a, cvec_ptr, beta_ptr, acol_ptr, pid_m, off_m, k_lo, k_hi, M, K,
-              A_T: tl.constexpr, A_COLSUMS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-              SK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+              A_T: tl.constexpr, A_COLSUMS: tl.constexpr, BYPRODUCTS: tl.constexpr, BM: tl.constexpr,
+              BK: tl.constexpr, SK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """A·c, A²·β, A·1, A²·1 of one row block over K tiles [k_lo, k_hi) (and 1ᵀA, ‖A_:,k‖² there).
 
     Reads A in chunks through plain pipelined loads (small register tiles: this runs after the tile's
@@ -110,9 +110,10 @@ def _row_side(a_ptr, stride_a, cvec_ptr, beta_ptr, acol_ptr, pid_m, off_m, k_lo,
                          mask=kmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
             ad = af.to(tl.float64)
             ref_e += ad * c[:, None]
-            s1_e += ad
             sq_e += af * af * beta[:, None]
-            s2_e += af * af
+            if BYPRODUCTS:
+                s1_e += ad
+                s2_e += af * af
         return (tl.sum(ref_e, axis=0), tl.sum(sq_e, axis=0).to(tl.float64), tl.sum(s1_e, axis=0),
                 tl.sum(s2_e, axis=0).to(tl.float64))  # fmt: skip
     ref = tl.zeros((BM,), dtype=tl.float64)
@@ -128,9 +129,10 @@ def _row_side(a_ptr, stride_a, cvec_ptr, beta_ptr, acol_ptr, pid_m, off_m, k_lo,
                      mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
         ad = af.to(tl.float64)
         ref += tl.sum(ad * c[None, :], axis=1)
-        s1 += tl.sum(ad, axis=1)
         sq += tl.sum(af * af * beta[None, :], axis=1)
-        s2 += tl.sum(af * af, axis=1)
+        if BYPRODUCTS:  # A·1 and ‖A_i‖², for a later wgrad check
+            s1 += tl.sum(ad, axis=1)
+            s2 += tl.sum(af * af, axis=1)
         if A_COLSUMS:  # 1ᵀA and ‖A_:,k‖² of this row block, for a forward/dgrad column check
             tl.store(acol_ptr + pid_m * 2 * K + offs_k, tl.sum(ad, axis=0), mask=kmask)
             tl.store(acol_ptr + pid_m * 2 * K + K + offs_k, tl.sum(af * af, axis=0).to(tl.float64), mask=kmask)
@@ -339,6 +341,7 @@ def checked_gemm_kernel(
     COL_PARTIALS: tl.constexpr,
     COL_SIDE: tl.constexpr,  # colvec partials (wgrad) and column evidence
     A_COLSUMS: tl.constexpr,  # forward/dgrad column check: by-products for `col_side_kernel`
+    BYPRODUCTS: tl.constexpr,  # A·1 and ‖A_i‖² (for a later wgrad check)
     FAULT: tl.constexpr,
     UPCAST: tl.constexpr,
     BM: tl.constexpr,
@@ -389,7 +392,7 @@ def checked_gemm_kernel(
             part = pid_n + pid_n_base
             k_lo, k_hi = _k_range(part, range_n, k_tiles)
             ref, sq, s1, s2 = _row_side(a_ptr, stride_a, cvec_ptr, beta_ptr, acol_ptr, pid_m, off_m, k_lo, k_hi,
-                                        M, K, A_T, A_COLSUMS, BM, BK, SIDE_K_T if A_T else SIDE_K,
+                                        M, K, A_T, A_COLSUMS, BYPRODUCTS, BM, BK, SIDE_K_T if A_T else SIDE_K,
                                         SIDE_STAGES)  # fmt: skip
             base = rowvec_ptr + pid_n * M + offs_m
             stride = tiles_n * M
@@ -545,9 +548,9 @@ class TritonGemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     flatten: bool = False
-    side_k: int = 32  # K chunk of the reference-side loops (a divisor of block_k)
+    side_k: int = 64  # K chunk of the reference-side loops (a divisor of block_k)
     side_k_t: int = 16  # the same where the sums run across a chunk's rows (elementwise accumulators)
-    side_stages: int = 3
+    side_stages: int = 1
 
 
 # Hopper: 128×256×64 tiles, 8 warps, 3 stages run bf16 GEMMs at cuBLAS speed on the H200.
@@ -659,6 +662,7 @@ def launch_checked_gemm(
     pid_base: tuple[int, int] = (0, 0),
     ranges: tuple[int, int] | None = None,
     evidence: bool = True,
+    byproducts: bool = True,
     cfg: TritonGemmConfig | None = None,
 ) -> GemmLaunch:
     """C = A·B into `out` [M, N] (row-major) with the requested checks; see the module docstring.
@@ -717,7 +721,7 @@ def launch_checked_gemm(
         int(pid_base[0]), int(pid_base[1]), int(range_m), int(range_n),
         A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None,
         ROW_CHECK=row_check, ROW_SIDE=row_side, COL_PARTIALS=col_check, COL_SIDE=col_side,
-        A_COLSUMS=col_post and row_side, FAULT=model, UPCAST=INTERPRET,
+        A_COLSUMS=col_post and row_side, BYPRODUCTS=byproducts, FAULT=model, UPCAST=INTERPRET,
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
         SIDE_K=cfg.side_k, SIDE_K_T=cfg.side_k_t, SIDE_STAGES=cfg.side_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

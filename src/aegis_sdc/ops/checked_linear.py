@@ -181,8 +181,10 @@ def _triton_forward(ctx, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         counters=hooks.counters_for("fwd", m, n, x2d.device),
         state=hooks.state,
         weight_stats=lambda: triton_linear.WeightStats.compute(weight)[0],
+        byproducts=wgrad_plan is not None,
     )
-    ctx.x_stats = result.byproducts()  # X·1, ‖X_m‖²: the wgrad's c and β
+    if wgrad_plan is not None:
+        ctx.x_stats = result.byproducts()  # X·1, ‖X_m‖²: the wgrad's c and β
     return out
 
 
@@ -216,8 +218,10 @@ def _triton_backward(ctx, dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Ten
                 counters=hooks.counters_for("dgrad", m, n, dy.device),
                 state=hooks.state,
                 weight_stats=lambda: triton_linear.WeightStats.compute(weight)[2],
+                byproducts=wgrad_cols,
             )
-            dy_stats = result.byproducts()  # dY·1, ‖dY_m‖²: the wgrad's column side
+            if wgrad_cols:
+                dy_stats = result.byproducts()  # dY·1, ‖dY_m‖²: the wgrad's column side
     if ctx.needs_input_grad[1]:
         if wgrad_plan is None:
             dw = dy.t().mm(x2d)
@@ -244,5 +248,6 @@ def _triton_backward(ctx, dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Ten
                 col_check=wgrad_cols,
                 counters=hooks.counters_for("wgrad", m, n, dy.device),
                 state=hooks.state,
+                byproducts=False,
             )
     return dx, dw

@@ -137,6 +137,7 @@ def run(
     counters: torch.Tensor,
     state: DeviceState,
     weight_stats=None,
+    byproducts: bool = True,
 ) -> tg.GemmLaunch:
     """One GEMM on the Triton kernel, checked if `plan` says so; by-products always computed."""
     m, n = out.shape
@@ -189,6 +190,7 @@ def run(
         row_threshold=thresholds[0],
         col_threshold=thresholds[1],
         fault=_fault_args(fault),
+        byproducts=byproducts,
         cfg=cfg,
     )
     if plan is not None:
