@@ -85,3 +85,7 @@ def incidents(
     console.print(
         f"{len(rows)} confirmed; verdicts: " + (", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "none")
     )
+
+
+if __name__ == "__main__":
+    app()

@@ -344,7 +344,7 @@ class Guard:
     def _record(self, report: StepReport) -> None:
         step = report.step
         store = self.store
-        with store.transaction():
+        with store.transaction(durable=bool(report.incidents)):
             store.write_step(
                 step,
                 checks=report.checks,

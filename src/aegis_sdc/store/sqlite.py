@@ -1,7 +1,10 @@
 """The incident store: one SQLite database per rank in the run directory.
 
-- WAL journal, `synchronous=FULL`: a committed transaction survives `kill -9` of the process (and a
-  power loss); an uncommitted one vanishes whole, so a reader never sees half a step.
+- WAL journal: a committed transaction survives `kill -9` of the process (the WAL is written before
+  COMMIT returns); an uncommitted one vanishes whole, so a reader never sees half a step. Steps commit
+  with `synchronous=NORMAL` (no fsync per step: the step's end is on the training loop's critical
+  path); a transaction that holds an incident commits with `synchronous=FULL`, so incidents also
+  survive a power loss.
 - One transaction per training step (statistics, vTasks, verdicts, incidents together), plus an
   immediate commit for each incident, so a crash loses at most the step in flight.
 - Versioned schema (`PRAGMA user_version`); opening a store written by a newer version fails with a
@@ -86,7 +89,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(path, timeout=30.0, isolation_level=None)  # explicit transactions only
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA foreign_keys=ON")
     return conn
 
@@ -124,10 +127,13 @@ class Store:
 
     # -- transactions ----------------------------------------------------------------------------
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self, durable: bool = False) -> Iterator[sqlite3.Connection]:
+        """One transaction; `durable` makes its COMMIT fsync (for incidents)."""
         if self._in_tx:
             yield self.conn
             return
+        if durable:
+            self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.execute("BEGIN IMMEDIATE")
         self._in_tx = True
         try:
@@ -139,6 +145,8 @@ class Store:
             self.conn.execute("COMMIT")
         finally:
             self._in_tx = False
+            if durable:
+                self.conn.execute("PRAGMA synchronous=NORMAL")
 
     def close(self) -> None:
         self.conn.close()
