@@ -78,6 +78,8 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResult:
     torch.manual_seed(cfg.seed)
     model_cfg = LlamaConfig()
     model = Llama(model_cfg).to(device)
+    if device.type == "cuda":
+        model = model.to(torch.bfloat16)  # the GPU path: bf16 GEMMs on the fused Triton kernels
     data = SyntheticTokens(
         TokenStreamConfig(
             vocab_size=model_cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed

@@ -99,6 +99,10 @@ def usable(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.device.type != "cuda" and not tg.INTERPRET:
             return False
+        # fp32 on a GPU: tl.dot would round the operands to tf32, whose products are not exact, and
+        # fp32 tiles do not fit the Hopper configuration; fp32 layers take the reference path.
+        if t.device.type == "cuda" and t.dtype not in (torch.bfloat16, torch.float16):
+            return False
         if not tg.tma_compatible(t) or (t.shape[0] * t.element_size()) % 16:
             return False
     return True
