@@ -20,9 +20,9 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gemm import Case  # noqa: E402
+from gemm import Case
 
-from aegis_sdc.kernels import triton_gemm as tg  # noqa: E402
+from aegis_sdc.kernels import triton_gemm as tg
 
 CONFIGS = {
     "128x256x64/s3/w8": tg.TritonGemmConfig(),

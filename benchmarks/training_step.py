@@ -75,7 +75,7 @@ def main() -> None:
             "command": " ".join(["python", *sys.argv]),
             "workload": CFG.__dict__,
             "tokens_per_step": 4 * 2048,
-        },  # fmt: skip
+        },
         "rows": rows,
         "summary": summary,
     }

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from aegis_sdc.kernels import triton_gemm as tg
-from aegis_sdc.kernels.reference import U32, Tiling, checked_gemm
+from aegis_sdc.kernels.reference import U32, checked_gemm
 from aegis_sdc.ops.triton_replay import TritonGemmCall, TritonGemmCapture
 from aegis_sdc.sensors.thresholds import worst_case_bound
 
@@ -131,7 +131,7 @@ def test_a_fault_is_detected_located_captured_and_replayed(kind, model):
     dtype = torch.float16
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=4)
     fault = (model, 41, 70, 3.0, 1 << 27)
-    out, _, stats, _, call = launch(a, b, flags, logical, dtype, fault=fault, thresholds=(40.0, 40.0))
+    _, _, stats, _, call = launch(a, b, flags, logical, dtype, fault=fault, thresholds=(40.0, 40.0))
     ev = decode(stats)
     assert ev["alarm"] == 3 and ev["slot"] == 1
     assert ev["row_index"] == 41 and ev["col_index"] == 70

@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
+from tests.helpers import train
 from torch import nn
 
 import aegis_sdc as aegis
 from aegis_sdc.events import WrongExecution
 from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
 from aegis_sdc.workloads.llama import Llama, LlamaConfig
-from tests.helpers import train
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Aligned dims (16-byte rows for TMA) and few tokens: the interpreter runs one program at a time.
