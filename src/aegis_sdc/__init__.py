@@ -13,14 +13,17 @@ __version__ = "0.1.0"
 from aegis_sdc.config import (
     EXIT_CODE_SDC,
     ChecksumConfig,
+    DistributedConfig,
     GuardConfig,
     ResponseConfig,
     SamplingConfig,
     ThresholdConfig,
     VerifyConfig,
 )
+from aegis_sdc.distributed.context import RankExchangeError
 from aegis_sdc.events import (
     Channel,
+    CommKind,
     Evidence,
     GemmKind,
     Incident,
@@ -44,6 +47,7 @@ def protect(
     *,
     filter=None,
     start_step: int = 0,
+    process_group=None,
 ) -> Guard:
     """Check every `nn.Linear` of `model` (those `config.include`/`exclude` and `filter` keep).
 
@@ -52,14 +56,24 @@ def protect(
     training step. `filter(name, linear) -> bool` narrows the choice further. `start_step` numbers
     the first step (for resumed runs). Returns the `Guard`; `guard.close()` (or leaving its `with`
     block) verifies what is pending and restores the original modules.
+
+    Under torch.distributed (more than one rank) every rank must call `protect` with the same model
+    structure. `process_group` is the data-parallel group the ranks compare notes over (default: the
+    DDP model's group, else the default group; for a device mesh, `mesh.get_group("dp")`). A DDP
+    model's gradient all-reduces are checked automatically; for FSDP2, protect before `fully_shard`
+    and call `guard.attach_fsdp(model)` after it.
     """
-    return Guard(model, optimizer=optimizer, config=config, filter=filter, start_step=start_step)
+    return Guard(
+        model, optimizer=optimizer, config=config, filter=filter, start_step=start_step, process_group=process_group
+    )
 
 
 __all__ = [
     "EXIT_CODE_SDC",
     "Channel",
     "ChecksumConfig",
+    "CommKind",
+    "DistributedConfig",
     "Evidence",
     "FaultSpec",
     "GemmKind",
@@ -67,6 +81,7 @@ __all__ = [
     "GuardConfig",
     "GuardSummary",
     "Incident",
+    "RankExchangeError",
     "RankIdentity",
     "ResponseConfig",
     "SamplingConfig",

@@ -50,16 +50,18 @@ def incidents(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List the confirmed incidents of a run, all ranks merged."""
-    from aegis_sdc.store.sqlite import StoreError, read_incidents, read_verdict_counts
+    from aegis_sdc.store.sqlite import StoreError, read_incidents, read_verdict_counts, read_warnings
 
     try:
         rows = read_incidents(run_dir)
         counts = read_verdict_counts(run_dir)
+        warnings = read_warnings(run_dir)
     except StoreError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
     if as_json:
-        typer.echo(json.dumps({"run_dir": str(run_dir), "verdicts": counts, "incidents": rows}, indent=2))
+        report = {"run_dir": str(run_dir), "verdicts": counts, "incidents": rows, "warnings": warnings}
+        typer.echo(json.dumps(report, indent=2))
         return
     console = Console()
     table = Table(title=f"confirmed incidents in {run_dir}", title_justify="left")
@@ -85,6 +87,10 @@ def incidents(
     console.print(
         f"{len(rows)} confirmed; verdicts: " + (", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "none")
     )
+    if warnings:
+        console.print(f"rank-outlier warnings (heuristic, not confirmed): {len(warnings)}")
+        for warning in warnings[:20]:
+            console.print(f"  {warning['message']}")
 
 
 if __name__ == "__main__":

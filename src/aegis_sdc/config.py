@@ -158,6 +158,43 @@ class ResponseConfig:
         _require(1 <= self.exit_code <= 255, "ResponseConfig.exit_code must lie in 1..255")
 
 
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Data-parallel sensors (used when torch.distributed is initialized with more than one rank).
+
+    - `outlier_factor`: a rank is an outlier for a site when its largest normalized difference of the
+      step exceeds `outlier_factor` × the `outlier_quantile` of the *other* ranks' values (leaving the
+      rank out keeps a single bad rank from raising its own reference; with two ranks the reference
+      is simply the other rank). The values are normalized (units of u·s), so ranks are comparable
+      whatever their data: on the workload a site's largest clean value stayed within 2.1× of its
+      median over 300 steps (docs/thresholds.md); 10 leaves ~5× headroom, while a corruption that
+      matters (r ≥ 4) lands 50–5000× above its peers. AEGIS used ~10⁶ on raw differences, whose
+      scale varies with the data.
+    - `warmup_steps`: no outlier warnings before this step (thresholds are still calibrating).
+    - `exchange_timeout_s`: the per-step exchange runs on its own gloo group with this timeout; a
+      rank that dies or stalls makes the others raise `RankExchangeError` instead of hanging.
+    - `comm_check`: check DDP all-reduces / FSDP2 reduce-scatters of gradients with linear checksums.
+    - `comm_chunks`: checksums per bucket (localization and sensitivity grow with it).
+    """
+
+    outlier_factor: float = 10.0
+    outlier_quantile: float = 0.9
+    warmup_steps: int = 20
+    exchange_timeout_s: float = 300.0
+    comm_check: bool = True
+    comm_chunks: int = 64
+
+    def __post_init__(self) -> None:
+        _require(
+            math.isfinite(self.outlier_factor) and self.outlier_factor > 1,
+            "DistributedConfig.outlier_factor must be > 1",
+        )
+        _require(0.0 <= self.outlier_quantile <= 1.0, "DistributedConfig.outlier_quantile must lie in [0, 1]")
+        _require(self.warmup_steps >= 0, "DistributedConfig.warmup_steps must be >= 0")
+        _require(self.exchange_timeout_s > 0, "DistributedConfig.exchange_timeout_s must be > 0")
+        _require(self.comm_chunks >= 1, "DistributedConfig.comm_chunks must be >= 1")
+
+
 def default_run_dir() -> str:
     """``aegis-runs/<run id>``; the id comes from AEGIS_RUN_ID, torchrun's run id, or the start time."""
     run_id = os.environ.get("AEGIS_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
@@ -185,6 +222,7 @@ class GuardConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     response: ResponseConfig = field(default_factory=ResponseConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     faults: tuple[FaultSpec, ...] = ()
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
@@ -199,6 +237,7 @@ class GuardConfig:
             ("sampling", SamplingConfig),
             ("verify", VerifyConfig),
             ("response", ResponseConfig),
+            ("distributed", DistributedConfig),
         ):
             value = getattr(self, name)
             _require(

@@ -24,12 +24,20 @@ class GemmKind(str, enum.Enum):
     WGRAD = "wgrad"  # dW = dYᵀ·X       [N, K] = [N, M]·[M, K]
 
 
-class Channel(str, enum.Enum):
-    """Which checksum of a GEMM `C = A·B` raised the evidence."""
+class CommKind(str, enum.Enum):
+    """Which gradient collective a communication site protects."""
 
-    ROW = "row"  # C·1 against A·(B·1): one value per row of C
-    COL = "col"  # 1ᵀC against (1ᵀA)·B: one value per column of C
+    ALLREDUCE = "allreduce"  # DDP bucket
+    REDUCE_SCATTER = "reduce_scatter"  # FSDP2 parameter group
+
+
+class Channel(str, enum.Enum):
+    """Which checksum raised the evidence."""
+
+    ROW = "row"  # GEMM C = A·B: C·1 against A·(B·1), one value per row
+    COL = "col"  # GEMM: 1ᵀC against (1ᵀA)·B, one value per column
     NONFINITE = "nonfinite"  # the checksums themselves are NaN/Inf
+    COMM = "comm"  # collective: a reduced chunk's sum against the sum of the ranks' local sums
 
 
 class VerdictKind(str, enum.Enum):
@@ -50,14 +58,14 @@ class WrongExecution(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Site:
-    """One protected op instance, e.g. ``layers.3.mlp.up_proj:wgrad``.
+    """One protected op instance, e.g. ``layers.3.mlp.up_proj:wgrad`` or ``ddp.bucket2:allreduce``.
 
-    `id` is a dense index assigned in module order, identical on every rank of a job.
+    `id` is a dense index assigned in module order (then collective order), identical on every rank.
     """
 
     id: int
     module: str
-    kind: GemmKind
+    kind: GemmKind | CommKind
     op: str = "linear"
 
     @property

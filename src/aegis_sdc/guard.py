@@ -26,8 +26,13 @@ from torch import nn
 
 from aegis_sdc import __version__
 from aegis_sdc.config import GuardConfig, default_run_dir
+from aegis_sdc.distributed.comm_check import CheckedReduceScatter, CommCapture, CommChecks, checked_allreduce_hook
+from aegis_sdc.distributed.context import make_context
 from aegis_sdc.distributed.identity import discover
+from aegis_sdc.distributed.outlier import OutlierWarning, detect_outliers
 from aegis_sdc.events import (
+    Channel,
+    CommKind,
     Evidence,
     GemmKind,
     Incident,
@@ -37,7 +42,9 @@ from aegis_sdc.events import (
     VerdictKind,
     VTask,
 )
-from aegis_sdc.faults.injector import FaultInjector
+from aegis_sdc.faults.injector import FaultInjector, Injection
+from aegis_sdc.faults.models import AccumulatorFault
+from aegis_sdc.hashing import unit_hash
 from aegis_sdc.integrations.modules import LinearFilter, restore_linears, select_linears, swap_linears
 from aegis_sdc.kernels.reference import Tiling
 from aegis_sdc.ops.checked_linear import LinearHooks
@@ -49,6 +56,7 @@ from aegis_sdc.store.sqlite import Store, rank_db_path
 from aegis_sdc.verify.verifier import Verifier
 
 Listener = Callable[[str, Any], None]
+COMM_SLOTS = 256  # collectives exchanged per step (the exchange tensor has a fixed shape)
 
 
 @dataclass
@@ -58,6 +66,7 @@ class StepReport:
     alarms: list[VTask] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
     incidents: list[Incident] = field(default_factory=list)
+    warnings: list[OutlierWarning] = field(default_factory=list)
     verify_ms: float = 0.0
 
 
@@ -77,6 +86,7 @@ class GuardSummary:
     max_latency_ms: float
     replay_ms_total: float
     faults_injected: int
+    outlier_warnings: int = 0
 
     @property
     def false_alarm_rate(self) -> float:
@@ -101,6 +111,7 @@ class Guard:
         filter: LinearFilter | None = None,
         identity: RankIdentity | None = None,
         start_step: int = 0,
+        process_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"protect() expects an nn.Module, got {type(model).__name__}")
@@ -119,7 +130,7 @@ class Guard:
         self.clock.step = start_step
         self.recorder: list[CallRecord] = []
         self.sampler = Sampler(config.sampling.probability, config.sampling.per_site, config.sampling.seed)
-        self.injector = FaultInjector(config.faults)
+        self.injector = FaultInjector(config.faults, rank=self.identity.rank)
         self.sensors: list[GemmSensor] = []
         self.verifier = Verifier(config.verify)
         self.responder = Responder(
@@ -133,6 +144,7 @@ class Guard:
         self._injections_written = 0
         self._steps_seen: set[int] = set()
         self._pending_evidence: dict[int, Evidence] = {}  # vTask id → its evidence, until verified
+        self._comm_values: dict[int, float] = {}  # this step: collective index → largest mismatch / bound
         self.closed = False
 
         chosen = select_linears(model, config.include, config.exclude, filter)
@@ -148,8 +160,19 @@ class Guard:
         self.store.write_sites(s.site for s in self.sensors)
         self._handles = []
         if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(self._optimizer_pre_step))
-            self._handles.append(optimizer.register_step_post_hook(self._optimizer_post_step))
+            self.attach_optimizer(optimizer)
+
+        # Data parallelism: the rank-outlier exchange and the checks of gradient collectives.
+        dist_cfg = config.distributed
+        if process_group is None and isinstance(model, nn.parallel.DistributedDataParallel):
+            process_group = model.process_group
+        self.dist = make_context(process_group, dist_cfg.exchange_timeout_s)
+        self.outlier_warnings: list[OutlierWarning] = []
+        self.comm_sites: dict[str, Site] = {}
+        self._new_sites: list[Site] = []
+        self.comm_checks = CommChecks(dist_cfg.comm_chunks, self._register_comm_site, self._comm_fault)
+        if dist_cfg.comm_check and isinstance(model, nn.parallel.DistributedDataParallel):
+            self.attach_ddp(model)
 
     # -- construction ----------------------------------------------------------------------------
     def _make_hooks(self, name: str, linear: nn.Linear) -> LinearHooks:
@@ -194,9 +217,38 @@ class Guard:
                 return s
         raise KeyError(f"no protected site named {site_name!r}")
 
+    def _site_id(self, site_name: str) -> int:
+        comm = self.comm_sites.get(site_name)
+        return comm.id if comm is not None else self.sensor(site_name).site.id
+
     def subscribe(self, listener: Listener) -> None:
         """`listener(event, payload)` for events 'alarm' (VTask), 'verdict' (Verdict), 'incident', 'step'."""
         self._listeners.append(listener)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """End each step at `optimizer.step()` (for optimizers built after `protect`, e.g. after FSDP2)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._handles.append(optimizer.register_step_pre_hook(self._optimizer_pre_step))
+        self._handles.append(optimizer.register_step_post_hook(self._optimizer_post_step))
+
+    def attach_ddp(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Check DDP's gradient all-reduces (a communication hook; done by `protect(ddp_model)`)."""
+        ddp.register_comm_hook(None, checked_allreduce_hook(self.comm_checks, ddp.process_group, CommKind.ALLREDUCE))
+
+    def attach_fsdp(self, model: nn.Module) -> int:
+        """Check FSDP2's gradient reduce-scatters: call after `fully_shard`. Returns the modules hooked."""
+        from torch.distributed.fsdp import FSDPModule
+
+        hooked = 0
+        for name, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(
+                    CheckedReduceScatter(self.comm_checks, f"fsdp.{name or 'root'}", CommKind.REDUCE_SCATTER)
+                )
+                hooked += 1
+        return hooked
 
     def step(self) -> StepReport:
         """End the current step and start the next; for training loops that pass no optimizer."""
@@ -231,6 +283,7 @@ class Guard:
             max_latency_ms=t.max_latency_ms,
             replay_ms_total=t.replay_ms_total,
             faults_injected=len(self.injector.log),
+            outlier_warnings=len(self.outlier_warnings),
         )
 
     def close(self) -> GuardSummary:
@@ -243,6 +296,8 @@ class Guard:
             for handle in self._handles:
                 handle.remove()
             restore_linears(self._swaps)
+            if self.dist is not None:
+                self.dist.close()
             summary = self.summary()
             self.store.finish_run(summary.to_dict())
             self.store.close()
@@ -262,6 +317,36 @@ class Guard:
 
     def _advance(self) -> None:
         self.clock.step += 1
+        self.comm_checks.step = self.clock.step
+
+    def _register_comm_site(self, name: str, kind: CommKind) -> Site:
+        """A collective's site, numbered after the GEMM sites in first-call order (the same on every rank)."""
+        key = f"{name}:{kind.value}"
+        site = self.comm_sites.get(key)
+        if site is None:
+            site = Site(len(self.sensors) + len(self.comm_sites), name, kind, op=kind.value)
+            self.comm_sites[key] = site
+            self._new_sites.append(site)
+        return site
+
+    def _comm_fault(self, site: Site, step: int, result: torch.Tensor) -> None:
+        """Fault injection into a collective's result on this rank: a flipped bit in one element."""
+        for spec in self.injector.specs_for(site.name):
+            if spec.fires(site.id, step, 0):
+                flat = result.view(-1)
+                index = (
+                    spec.row if spec.row is not None else int(unit_hash(spec.seed, 0xC0, site.id, step) * flat.numel())
+                )
+                index = min(index, flat.numel() - 1)
+                ints = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+                mask = (
+                    -(2 ** (8 * flat.element_size() - 1)) if spec.bit == 8 * flat.element_size() - 1 else 1 << spec.bit
+                )
+                ints[index] ^= mask
+                self.injector.applied(
+                    Injection(site.name, step, 0, AccumulatorFault("bitflip", spec.bit, 0.0, index, 0, 0.0, 0.0))
+                )
+                return
 
     def _optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.end_step()
@@ -292,6 +377,19 @@ class Guard:
                 self._next_vtask += 1
                 report.alarms.append(task)
                 evidence_of[task.id] = evidence
+        for record in self.comm_checks.take():
+            if record.mismatched():
+                evidence = Evidence(
+                    site=record.site, step=record.step, call=0, channel=Channel.COMM, value=record.value(),
+                    threshold=1.0, index=record.mismatched()[0], raw_l2=0.0, channels=(Channel.COMM,),
+                )  # fmt: skip
+                task = VTask(self._next_vtask, evidence, CommCapture(record, [self.identity.rank]))
+                self._next_vtask += 1
+                report.alarms.append(task)
+                evidence_of[task.id] = evidence
+            self._comm_values[record.site.id - len(self.sensors)] = record.value()
+        if self.dist is not None and not drain:
+            self._exchange(step, report)
         self._pending_evidence.update(evidence_of)
         self.verifier.submit(report.alarms)
         started = time.perf_counter()
@@ -320,9 +418,39 @@ class Guard:
             self._emit("verdict", verdict)
         for incident in report.incidents:
             self._emit("incident", incident)
+        for warning in report.warnings:
+            self._emit("warning", warning)
         self._emit("step", report)
         self.responder.respond(report.incidents, self.optimizer)
         return report
+
+    def _exchange(self, step: int, report: StepReport) -> None:
+        """The step's one collective: per site, every data-parallel rank's largest normalized difference
+        (and per collective, how far its check was off), gathered on the exchange group."""
+        nan = float("nan")
+        values = [max(s.step_stats.max_row, s.step_stats.max_col) if s.step_stats.checks else nan for s in self.sensors]
+        comm = [nan] * COMM_SLOTS
+        for index, value in self._comm_values.items():
+            comm[index % COMM_SLOTS] = value
+        self._comm_values = {}
+        gathered = self.dist.all_gather(torch.tensor(values + comm, dtype=torch.float64), step)
+        n = len(self.sensors)
+        if step >= self.config.distributed.warmup_steps:
+            cfg = self.config.distributed
+            warnings = detect_outliers(
+                gathered[:, :n], self.dist.ranks, self.sites, step, cfg.outlier_factor, cfg.outlier_quantile
+            )
+            self.outlier_warnings.extend(warnings)
+            report.warnings.extend(warnings)
+        failed: dict[int, list[int]] = {}
+        for slot in range(COMM_SLOTS):
+            column = gathered[:, n + slot].tolist()
+            bad = [self.dist.ranks[r] for r, v in enumerate(column) if v == v and v > 1.0]
+            if bad:
+                failed[slot] = bad
+        for task in report.alarms:
+            if isinstance(task.payload, CommCapture):
+                task.payload.ranks_failed = failed.get((task.site.id - n) % COMM_SLOTS, task.payload.ranks_failed)
 
     def _read_evidence(self, records: list[CallRecord]) -> list[list[float]]:
         """The one host sync of the step: every checked call's evidence at once (per device)."""
@@ -345,6 +473,13 @@ class Guard:
         step = report.step
         store = self.store
         with store.transaction(durable=bool(report.incidents)):
+            if self._new_sites:
+                store.write_sites(self._new_sites)
+                self._new_sites = []
+            for warning in report.warnings:
+                if warning.rank == self.identity.rank:  # each rank's store keeps the warnings about itself
+                    store.write_event("rank_outlier", warning.describe(), step=warning.step,
+                                      site_id=warning.site.id, data=warning.to_dict())  # fmt: skip
             store.write_step(
                 step,
                 checks=report.checks,
@@ -392,7 +527,7 @@ class Guard:
                     "fault_injected",
                     f"{injection.fault.describe()} into {injection.site}",
                     step=injection.step,
-                    site_id=self.sensor(injection.site).site.id,
+                    site_id=self._site_id(injection.site),
                     data={"call": injection.call, "model": injection.fault.model},
                 )
             self._injections_written = len(self.injector.log)

@@ -21,8 +21,9 @@ class Injection:
 
 
 class FaultInjector:
-    def __init__(self, specs: tuple[FaultSpec, ...] = ()) -> None:
+    def __init__(self, specs: tuple[FaultSpec, ...] = (), rank: int = 0) -> None:
         self.specs = tuple(specs)
+        self.rank = rank  # faults name the ranks whose device they model
         self.log: list[Injection] = []
         self._matches: dict[str, tuple[FaultSpec, ...]] = {}
 
@@ -32,7 +33,7 @@ class FaultInjector:
     def specs_for(self, site_name: str) -> tuple[FaultSpec, ...]:
         found = self._matches.get(site_name)
         if found is None:
-            found = self._matches[site_name] = tuple(s for s in self.specs if s.matches(site_name))
+            found = self._matches[site_name] = tuple(s for s in self.specs if s.matches(site_name, self.rank))
         return found
 
     def fire(self, site, step: int, call: int, median_l2: float | None) -> Injection | None:

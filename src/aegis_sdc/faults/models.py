@@ -44,6 +44,7 @@ class FaultSpec:
     col: int | None = None
     seed: int = 0
     affects_replay: bool = False  # a persistent fault: replays compute the same corruption
+    ranks: tuple[int, ...] = ()  # the ranks whose device is faulty (empty: every rank)
 
     def __post_init__(self) -> None:
         if not isinstance(self.site, str) or not self.site:
@@ -57,6 +58,7 @@ class FaultSpec:
         if not (0.0 <= self.probability <= 1.0):
             raise ValueError(f"FaultSpec.probability must lie in [0, 1], got {self.probability}")
         object.__setattr__(self, "steps", tuple(int(s) for s in self.steps))
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         if any(s < 0 for s in self.steps):
             raise ValueError("FaultSpec.steps must be non-negative step numbers")
         if not self.steps and self.probability == 0.0:
@@ -68,8 +70,8 @@ class FaultSpec:
             if value is not None and value < 0:
                 raise ValueError(f"FaultSpec.{name} must be >= 0, got {value}")
 
-    def matches(self, site_name: str) -> bool:
-        return fnmatch.fnmatchcase(site_name, self.site)
+    def matches(self, site_name: str, rank: int = 0) -> bool:
+        return fnmatch.fnmatchcase(site_name, self.site) and (not self.ranks or rank in self.ranks)
 
     def fires(self, site_id: int, step: int, call_in_step: int) -> bool:
         if self.steps:

@@ -349,6 +349,25 @@ def read_incidents(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def read_warnings(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Rank-outlier warnings of all ranks (each rank stores those about itself), ordered by step."""
+    rows: list[dict[str, Any]] = []
+    for db in rank_databases(run_dir):
+        conn = open_reader(db.path)
+        try:
+            for r in conn.execute(
+                "SELECT e.step, e.message, e.data_json, s.name AS site FROM events e"
+                " LEFT JOIN sites s ON s.id = e.site_id WHERE e.kind = 'rank_outlier' ORDER BY e.step, e.id"
+            ):
+                data = json.loads(r["data_json"]) if r["data_json"] else {}
+                rows.append({"step": r["step"], "site": r["site"], "rank": data.get("rank", db.rank),
+                             "message": r["message"], "data": data})  # fmt: skip
+        finally:
+            conn.close()
+    rows.sort(key=lambda r: (r["step"], r["rank"]))
+    return rows
+
+
 def read_verdict_counts(run_dir: str | os.PathLike) -> dict[str, int]:
     counts: dict[str, int] = {}
     for db in rank_databases(run_dir):

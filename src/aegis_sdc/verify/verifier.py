@@ -105,6 +105,13 @@ class Verifier:
         evidence_tile = (task.evidence.tile,) if task.evidence.tile else ()
         if payload is None:
             return VerdictKind.NOT_VERIFIABLE, None, (), False, "no replay context was captured"
+        if task.evidence.channel is Channel.COMM:
+            # A collective: the mismatch is beyond the exact rounding bound of the reduction, which is
+            # proof on its own; re-reading the stored gradient says whether it is still wrong.
+            confirmed, detail = payload.verify()
+            if confirmed:
+                return VerdictKind.CONFIRMED_SDC, WrongExecution.ORIGINAL, evidence_tile, False, detail
+            return VerdictKind.FALSE_ALARM, None, (), False, detail
         changed = payload.references_changed()
         if changed:
             return VerdictKind.NOT_VERIFIABLE, None, (), False, changed

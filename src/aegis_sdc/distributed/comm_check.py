@@ -1,0 +1,210 @@
+"""Checks of the gradient collectives: checksums are linear, so communication can be verified.
+
+For a sum all-reduce of buffers g_r (one per rank), every chunk of the result R satisfies
+    Σ_i R_i = Σ_r Σ_i g_r,i.
+Each rank computes its local per-chunk sums (and sums of magnitudes) in fp64, all-reduces that small
+vector next to the gradients, and compares it with the per-chunk sums of the result it received. The
+reduction itself runs in the buffer's dtype, so the two sides may differ by at most
+γ_world · Σ_r Σ_i |g_r,i| (γ_n = n·u/(1 − n·u), u the dtype's unit roundoff) — a difference beyond
+that bound proves the result was corrupted (in flight, in the reduction, or in memory), on this rank.
+For a reduce-scatter the same holds per output shard.
+
+- DDP: `checked_allreduce_hook`, a communication hook (`ddp_model.register_comm_hook`).
+- FSDP2: `CheckedReduceScatter`, a custom reduce-scatter (`FSDPModule.set_custom_reduce_scatter`).
+
+Mismatches are recorded per step; the guard turns them into vTasks whose verification recomputes the
+chunk sums of the gradient as it is stored now, and exchanges which ranks failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from aegis_sdc.events import Site, Tile
+
+SUB = 64  # elements summed in fp32 before the fp64 sum of a chunk: fast, and a tight error bound
+
+
+def chunk_sums(flat: torch.Tensor, chunks: int) -> torch.Tensor:
+    """[2, chunks] fp64: per-chunk sum and sum of magnitudes of a flat tensor (unused chunks zero).
+
+    Chunks are whole multiples of SUB elements; each SUB-group is summed in fp32 (error at most
+    SUB·u₃₂ of its magnitudes, see `rounding_bound`), the groups in fp64. A full fp64 copy of a
+    25 MB bucket would cost ~20× more on a CPU."""
+    flat = flat.reshape(-1)
+    n = flat.numel()
+    per_chunk = -(-n // chunks)  # ceil(n / chunks)
+    size = max(SUB, -(-per_chunk // SUB) * SUB)  # rounded up to whole SUB-groups
+    full = n // size
+    out = torch.zeros(2, chunks, dtype=torch.float64, device=flat.device)
+    if full:
+        body = flat[: full * size].view(full, size // SUB, SUB)
+        out[0, :full] = body.sum(dim=2, dtype=torch.float32).double().sum(dim=1)
+        out[1, :full] = torch.linalg.vector_norm(body.view(full, size), ord=1, dim=1, dtype=torch.float32).double()
+    if n > full * size:
+        tail = flat[full * size :].double()
+        out[0, full] = tail.sum()
+        out[1, full] = tail.abs().sum()
+    return out
+
+
+def rounding_bound(dtype: torch.dtype, world: int, magnitude: torch.Tensor) -> torch.Tensor:
+    """Largest difference a correct reduction can show per chunk: the reduction of `world` buffers in
+    `dtype` (γ_world each side), plus both sides' fp32 SUB-group sums and the fp32 magnitudes."""
+    u = torch.finfo(dtype).eps / 2
+    u32 = torch.finfo(torch.float32).eps / 2
+    gamma = world * u / (1 - world * u)
+    return (2 * gamma + 4 * SUB * u32) * magnitude + 1e-300
+
+
+@dataclasses.dataclass
+class CommRecord:
+    """One checked collective of one step on this rank."""
+
+    site: Site
+    step: int
+    expected: torch.Tensor  # [chunks] Σ over ranks of the local chunk sums (fp64)
+    received: torch.Tensor  # [chunks] chunk sums of the result this rank received (fp64)
+    bound: torch.Tensor  # [chunks] the rounding bound
+    chunk_size: int
+    numel: int
+    rescan: Callable[[], torch.Tensor] | None  # recomputes `received` from where the result is stored now
+    scale: float = 1.0  # the stored result is the received one times this (DDP stores the average)
+
+    def mismatched(self) -> list[int]:
+        return [int(i) for i in torch.nonzero((self.received - self.expected).abs() > self.bound).flatten()]
+
+    def value(self) -> float:
+        """Largest |received − expected| / bound over the chunks (> 1: a mismatch)."""
+        return float(((self.received - self.expected).abs() / self.bound).max())
+
+
+class CommCapture:
+    """The payload of a collective-check vTask: re-read the stored result and compare again."""
+
+    references_tensors = True  # the gradient must still be the one the collective produced
+
+    def __init__(self, record: CommRecord, ranks_failed: list[int]) -> None:
+        self.record = record
+        self.ranks_failed = ranks_failed
+        chunks = record.mismatched()
+        first = chunks[0] if chunks else 0
+        start = first * record.chunk_size
+        self.region = Tile(0, 1, start, min(start + record.chunk_size, record.numel))
+
+    def verify(self) -> tuple[bool, str]:
+        """(confirmed, detail). Confirmed when the mismatch is beyond the exact rounding bound."""
+        r = self.record
+        chunks = r.mismatched()
+        detail = (
+            f"chunks {chunks[:8]}{'…' if len(chunks) > 8 else ''} of {r.site.module} differ from the sum of the "
+            f"ranks' local sums by up to {r.value():.3g}× the exact rounding bound; ranks whose check failed: "
+            f"{self.ranks_failed}"
+        )
+        if r.rescan is not None:
+            now = r.rescan() / r.scale
+            still = bool(((now - r.expected).abs() > r.bound).any())
+            detail += "; the stored gradient " + ("still differs" if still else "now agrees (a transient read error)")
+        return bool(chunks), detail
+
+
+class CommChecks:
+    """Per-step records of this rank's checked collectives, and the sites they belong to."""
+
+    def __init__(self, chunks: int, register_site: Callable[[str, object], Site], fault_hook=None) -> None:
+        self.chunks = chunks
+        self.register_site = register_site  # (module name, CommKind) → Site, in call order
+        self.fault_hook = fault_hook  # (site, step, buffer) → corrupts the received buffer (injection)
+        self.records: list[CommRecord] = []
+        self.step = 0
+
+    def take(self) -> list[CommRecord]:
+        records, self.records = self.records, []
+        return records
+
+    def record(self, site: Site, expected: torch.Tensor, received: torch.Tensor, world: int, dtype,
+               rescan=None, scale: float = 1.0) -> None:  # fmt: skip
+        """Compare a received result with `expected` ([2, chunks]: Σ_r local sums, Σ_r local magnitudes)."""
+        self.records.append(
+            CommRecord(
+                site, self.step, expected[0], chunk_sums(received, self.chunks)[0] / scale,
+                rounding_bound(dtype, world, expected[1]), -(-received.numel() // self.chunks), received.numel(),
+                rescan, scale,
+            )
+        )  # fmt: skip
+
+    def corrupt(self, site: Site, result: torch.Tensor) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(site, self.step, result)
+
+
+def checked_allreduce_hook(checks: CommChecks, group: dist.ProcessGroup | None, kind) -> Callable:
+    """A DDP communication hook: sum all-reduce with chunk checksums, then the average DDP expects.
+
+    The small checksum all-reduce is issued before the gradients' (in the same order on every rank;
+    never from inside the future's callback, where issuing a collective could deadlock)."""
+
+    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        world = dist.get_world_size(group)
+        site = checks.register_site(f"ddp.bucket{bucket.index()}", kind)
+        expected = chunk_sums(buffer, checks.chunks)
+        # Both all-reduces asynchronous, the checksums' first: a process group completes its work in
+        # issue order, so the checksums are in when the gradients' callback runs.
+        expected_work = dist.all_reduce(expected, group=group, async_op=True)
+        params = list(bucket.parameters())
+        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+
+        def rescan() -> torch.Tensor:
+            grads = [p.grad.reshape(-1) for p in params if p.grad is not None]
+            return chunk_sums(torch.cat(grads), checks.chunks)[0] if grads else torch.zeros(checks.chunks)
+
+        def finish(fut: torch.futures.Future) -> torch.Tensor:
+            reduced = fut.value()[0]
+            expected_work.wait()
+            checks.corrupt(site, reduced)
+            checks.record(site, expected, reduced, world, buffer.dtype, rescan=rescan, scale=1.0)
+            checks.records[-1].scale = 1.0 / world  # DDP stores the average: rescans are scaled back
+            return reduced.div_(world)
+
+        return future.then(finish)
+
+    # DDP checks the hook's annotations by identity; this module's annotations are strings.
+    hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    return hook
+
+
+class CheckedReduceScatter:
+    """FSDP2 reduce-scatter with shard checksums (`FSDPModule.set_custom_reduce_scatter`)."""
+
+    def __init__(self, checks: CommChecks, name: str, kind) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+        self._default = DefaultReduceScatter()
+        self.checks = checks
+        self.name = name
+        self.kind = kind
+
+    def allocate(self, *args, **kwargs):
+        return self._default.allocate(*args, **kwargs)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return self._default(output_tensor, input_tensor, group, op, async_op=async_op)  # pre-multiplied: unchecked
+        world = group.size()
+        rank = dist.get_rank(group)
+        site = self.checks.register_site(self.name, self.kind)
+        shards = input_tensor.reshape(world, -1)
+        expected = torch.stack([chunk_sums(shards[r], self.checks.chunks) for r in range(world)])  # [world, 2, C]
+        dist.all_reduce(expected, group=group)
+        work = self._default(output_tensor, input_tensor, group, op, async_op=async_op)
+        if work is not None and async_op:
+            work.wait()
+        self.checks.corrupt(site, output_tensor)
+        scale = 1.0 / world if op == dist.ReduceOp.AVG else 1.0
+        self.checks.record(site, expected[rank], output_tensor, world, input_tensor.dtype, scale=scale)
+        return work

@@ -1,0 +1,167 @@
+"""Worker processes of the distributed tests (gloo on the CPU). Each writes a JSON result file."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import aegis_sdc as aegis
+from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
+from aegis_sdc.workloads.llama import Llama, LlamaConfig, lm_loss
+
+CFG = LlamaConfig(vocab_size=128, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=64)
+
+
+def init(rank: int, world: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+
+def workload(rank: int, parallel: str):
+    torch.manual_seed(0)  # the same model on every rank
+    model = Llama(CFG)
+    data = SyntheticTokens(TokenStreamConfig(vocab_size=CFG.vocab_size, seq_len=64, batch_size=4, seed=100 + rank))
+    return model, data
+
+
+def fail_during_exchange(guard, stall_at: int | None, die_at: int | None) -> None:
+    """Make this rank stall (sleep) or die (exit) inside the guard's per-step exchange."""
+    exchange = guard._exchange
+
+    def failing(step, report):
+        if step == stall_at:
+            time.sleep(8)
+        if step == die_at:
+            os._exit(3)
+        return exchange(step, report)
+
+    guard._exchange = failing
+
+
+def train(model, optimizer, data, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        inputs, targets = data.batch()
+        loss = lm_loss(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def guarded_training(rank: int, world: int, port: int, out: str, options: dict) -> None:
+    """DDP or FSDP2 training of the workload, protected or not, with optional faults and stalls."""
+    init(rank, world, port)
+    parallel = options.get("parallel", "ddp")
+    model, data = workload(rank, parallel)
+    faults = tuple(aegis.FaultSpec(**spec) for spec in options.get("faults", ()))
+    config = aegis.GuardConfig(
+        run_dir=os.path.join(out, "run"),
+        faults=faults,
+        sampling=aegis.SamplingConfig(probability=options.get("sampling", 1.0)),
+        distributed=aegis.DistributedConfig(**options.get("distributed", {})),
+        response=aegis.ResponseConfig(quarantine=False),
+    )
+    group = None
+    if options.get("dp_groups"):  # e.g. [[0, 1], [2, 3]]: data parallelism inside each group only
+        groups = [dist.new_group(ranks) for ranks in options["dp_groups"]]
+        group = next(g for g, ranks in zip(groups, options["dp_groups"], strict=True) if rank in ranks)
+    guard = None
+    result: dict = {"rank": rank}
+    try:
+        if parallel == "ddp":
+            if options.get("protect", True):
+                # before wrapping: clean site names; the data-parallel group the ranks compare over
+                guard = aegis.protect(model, config=config, process_group=group)
+            model = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            if guard is not None:
+                guard.attach_optimizer(optimizer)
+                guard.attach_ddp(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            if options.get("protect", True):
+                guard = aegis.protect(model, config=config)  # before sharding
+            mesh = init_device_mesh("cpu", (world,))
+            for block in model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            if guard is not None:
+                guard.attach_optimizer(optimizer)
+                result["fsdp_hooked"] = guard.attach_fsdp(model)
+        if guard is not None and rank in (options.get("stall_rank"), options.get("die_rank")):
+            fail_during_exchange(guard, options.get("stall_at"), options.get("die_at"))
+        started = time.monotonic()
+        try:
+            result["losses"] = train(model, optimizer, data, options.get("steps", 24))
+        except aegis.RankExchangeError as error:
+            result["exchange_error"] = str(error)
+            result["seconds_in_step"] = time.monotonic() - started
+        if guard is not None:
+            result["incidents"] = [
+                {"site": i.site.name, "step": i.step, "rank": i.identity.rank, "detail": i.verdict.detail}
+                for i in guard.incidents
+            ]
+            result["warnings"] = [w.to_dict() for w in guard.outlier_warnings]
+            result["injected"] = [(j.site, j.step) for j in guard.injector.log]
+            result["comm_sites"] = sorted(guard.comm_sites)
+            result["checks_per_step"] = [s.step_stats.checks for s in guard.sensors]
+            if "exchange_error" not in result:
+                result["summary"] = guard.close().to_dict()
+    finally:
+        Path(out, f"result{rank}.json").write_text(json.dumps(result))
+    if "exchange_error" not in result:
+        dist.destroy_process_group()
+
+
+def exchange_cost(rank: int, world: int, port: int, out: str, options: dict) -> None:
+    """Per-step cost of the exchange and of the all-reduce check, against a plain DDP step."""
+    init(rank, world, port)
+    from aegis_sdc.distributed.comm_check import CommChecks, checked_allreduce_hook
+    from aegis_sdc.distributed.context import DistContext
+    from aegis_sdc.events import CommKind, Site
+
+    ctx = DistContext(None, 60.0)
+    payload = torch.randn(options["sites"] + 256, dtype=torch.float64)
+    for _ in range(5):
+        ctx.all_gather(payload, 0)
+    started = time.perf_counter()
+    reps = 50
+    for i in range(reps):
+        ctx.all_gather(payload, i)
+    exchange_ms = (time.perf_counter() - started) / reps * 1000
+
+    def timed_ddp(hooked: bool) -> float:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        if hooked:
+            checks = CommChecks(64, lambda name, kind: Site(0, name, kind, op=kind.value))
+            ddp.register_comm_hook(None, checked_allreduce_hook(checks, None, CommKind.ALLREDUCE))
+        x = torch.randn(64, 1024)
+        times = []
+        for _ in range(12):
+            t0 = time.perf_counter()
+            ddp(x).square().mean().backward()
+            times.append(time.perf_counter() - t0)
+        return sorted(times[2:])[len(times[2:]) // 2] * 1000
+
+    plain_ms, checked_ms = timed_ddp(False), timed_ddp(True)
+    Path(out, f"result{rank}.json").write_text(
+        json.dumps(
+            {"rank": rank, "exchange_ms": exchange_ms, "ddp_backward_ms": plain_ms, "checked_backward_ms": checked_ms}
+        )
+    )
+    ctx.close()
+    dist.destroy_process_group()
