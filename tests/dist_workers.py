@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tests.helpers import SMALL, train
 
 import aegis_sdc as aegis
 from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
-from aegis_sdc.workloads.llama import Llama, LlamaConfig, lm_loss
+from aegis_sdc.workloads.llama import Llama
 
-CFG = LlamaConfig(vocab_size=128, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=64)
+CFG = SMALL
 
 
 def init(rank: int, world: int, port: int) -> None:
@@ -43,18 +44,6 @@ def fail_during_exchange(guard, stall_at: int | None, die_at: int | None) -> Non
         return exchange(step, report)
 
     guard._exchange = failing
-
-
-def train(model, optimizer, data, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        inputs, targets = data.batch()
-        loss = lm_loss(model(inputs), targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
 
 
 def guarded_training(rank: int, world: int, port: int, out: str, options: dict) -> None:
@@ -104,7 +93,7 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
             fail_during_exchange(guard, options.get("stall_at"), options.get("die_at"))
         started = time.monotonic()
         try:
-            result["losses"] = train(model, optimizer, data, options.get("steps", 24))
+            result["losses"] = train(model, data, optimizer, options.get("steps", 24))
         except aegis.RankExchangeError as error:
             result["exchange_error"] = str(error)
             result["seconds_in_step"] = time.monotonic() - started

@@ -91,7 +91,27 @@ def _block_range(index: int, block: int, size: int) -> tuple[int, int]:
     return start, min(start + block, size)
 
 
-class GemmCapture:
+class ReferencedOperands:
+    """Operands a capture holds by reference, not copied: the replay is valid only while they are unchanged.
+
+    Subclasses set `references` (the tensors) and `versions` (their `_version` counters at capture).
+    """
+
+    references: tuple[torch.Tensor, ...]
+    versions: tuple[int, ...]
+
+    @property
+    def references_tensors(self) -> bool:
+        return bool(self.references)
+
+    def references_changed(self) -> str | None:
+        for tensor, version in zip(self.references, self.versions, strict=True):
+            if tensor._version != version:
+                return f"a referenced tensor of shape {tuple(tensor.shape)} was modified before the replay"
+        return None
+
+
+class GemmCapture(ReferencedOperands):
     """The replay context of one suspect call; see the module docstring."""
 
     def __init__(
@@ -141,16 +161,6 @@ class GemmCapture:
             row_ref=result.row_ref[r0:r1].clone(),
             b_rowsum=result.b_rowsum,
         )
-
-    @property
-    def references_tensors(self) -> bool:
-        return bool(self.references)
-
-    def references_changed(self) -> str | None:
-        for tensor, version in zip(self.references, self.versions, strict=True):
-            if tensor._version != version:
-                return f"a referenced tensor of shape {tuple(tensor.shape)} was modified before the replay"
-        return None
 
     def inputs_finite(self) -> bool:
         parts = [self.a_part, self.b_part] + ([self.bias] if self.bias is not None else [])

@@ -23,7 +23,7 @@ import torch
 from aegis_sdc.events import Tile
 from aegis_sdc.kernels import triton_gemm as tg
 from aegis_sdc.kernels.reference import U32, bitwise_equal
-from aegis_sdc.ops.gemm_replay import RegionDiff
+from aegis_sdc.ops.gemm_replay import ReferencedOperands, RegionDiff
 
 
 @dataclasses.dataclass
@@ -65,7 +65,7 @@ class TritonRegion:
     b_rowsum: torch.Tensor  # B·1 used (recomputed from the weight when verifying)
 
 
-class TritonGemmCapture:
+class TritonGemmCapture(ReferencedOperands):
     """A vTask payload for the Triton path (the interface of ops.gemm_replay.GemmCapture)."""
 
     def __init__(self, call: TritonGemmCall, slot: int, row_index: int, col_index: int) -> None:
@@ -115,16 +115,6 @@ class TritonGemmCapture:
             self.region = Tile(r0, r0 + self.rows, 0, call.n)
             self.references = call.references
         self.versions = tuple(t._version for t in self.references)
-
-    @property
-    def references_tensors(self) -> bool:
-        return bool(self.references)
-
-    def references_changed(self) -> str | None:
-        for tensor, version in zip(self.references, self.versions, strict=True):
-            if tensor._version != version:
-                return f"a referenced tensor of shape {tuple(tensor.shape)} was modified before the replay"
-        return None
 
     def inputs_finite(self) -> bool:
         parts = [self.a_slab] + [t for t in (self.b_slab, self.call.b, self.call.bias) if t is not None]
