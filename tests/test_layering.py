@@ -14,6 +14,7 @@ ALLOWED = {
     "faults": {"hashing"},
     "store": set(),
     "distributed": {"events"},
+    "study": {"kernels", "workloads", "report"},  # the workload, the reference GEMM, plots from the store
 }
 
 

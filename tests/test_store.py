@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sqlite3
@@ -67,6 +68,26 @@ def test_a_new_store_has_the_current_schema_in_wal_mode(tmp_path):
     assert {"run", "sites", "steps", "step_stats", "vtasks", "verdicts", "incidents", "events"} <= tables
     store.close()
     Store(store.path).close()  # reopening migrates nothing and keeps the data
+
+
+def test_a_version_1_store_is_migrated_keeping_its_data(tmp_path):
+    from aegis_sdc.store.sqlite import _SCHEMA_V1, read_study
+
+    path = rank_db_path(tmp_path, 0)
+    conn = sqlite3.connect(path)
+    conn.executescript(f"{_SCHEMA_V1}\nPRAGMA user_version = 1;")
+    conn.execute("INSERT INTO events (kind, message, wall) VALUES ('note', 'written by version 1', 0.0)")
+    conn.commit()
+    conn.close()
+    store = Store(path)
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert store.conn.execute("SELECT message FROM events").fetchone()[0] == "written by version 1"
+    store.write_study("param-sync", {"steps": 1})
+    store.write_study_metrics([(0, "all", "grad_deviation", 0.5), (0, "loss", "suspect", float("nan"))])
+    store.close()
+    study = read_study(path)
+    assert study["mode"] == "param-sync" and study["summary"] is None
+    assert study["rows"][0] == (0, "all", "grad_deviation", 0.5) and math.isnan(study["rows"][1][3])
 
 
 def test_a_store_from_a_newer_version_is_refused_clearly(tmp_path):

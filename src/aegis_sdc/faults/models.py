@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,6 +72,28 @@ class FaultSpec:
             if value is not None and value < 0:
                 raise ValueError(f"FaultSpec.{name} must be >= 0, got {value}")
 
+    @classmethod
+    def parse(cls, text: str) -> FaultSpec:
+        """A spec from its command-line form ``SITE@field=value,field=value``.
+
+        Lists (`steps`, `ranks`) join items with ``+`` and take inclusive ranges ``a-b``:
+        ``layers.1.mlp.up_proj:fwd@model=bitflip,bit=22,steps=40+100-104``. Every field of the
+        dataclass may be given; a bursty fault is ``probability=0.5,start_step=100,stop_step=110``.
+        """
+        site, _, rest = text.partition("@")
+        fields: dict[str, Any] = {}
+        for item in filter(None, rest.split(",")):
+            key, sep, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in _FIELD_PARSERS:
+                known = ", ".join(sorted(_FIELD_PARSERS))
+                raise ValueError(f"fault {text!r}: expected field=value with a field among {known}, got {item!r}")
+            try:
+                fields[key] = _FIELD_PARSERS[key](value.strip())
+            except ValueError as error:
+                raise ValueError(f"fault {text!r}: bad value for {key}: {value!r} ({error})") from None
+        return cls(site=site.strip(), **fields)
+
     def matches(self, site_name: str, rank: int = 0) -> bool:
         return fnmatch.fnmatchcase(site_name, self.site) and (not self.ranks or rank in self.ranks)
 
@@ -79,6 +103,49 @@ class FaultSpec:
         if step < self.start_step or (self.stop_step is not None and step >= self.stop_step):
             return False
         return unit_hash(self.seed, 0xFA17, site_id, step, call_in_step) < self.probability
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """``40+100-104`` → (40, 100, 101, 102, 103, 104)."""
+    out: list[int] = []
+    for part in filter(None, text.split("+")):
+        first, dash, last = part.partition("-")
+        if dash:
+            lo, hi = int(first), int(last)
+            if hi < lo:
+                raise ValueError(f"empty range {part}")
+            out.extend(range(lo, hi + 1))
+        else:
+            out.append(int(first))
+    return tuple(out)
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError("expected true or false")
+
+
+_FIELD_PARSERS: dict[str, Callable[[str], Any]] = {
+    "model": str,
+    "scale": float,
+    "bit": int,
+    "steps": _int_list,
+    "probability": float,
+    "start_step": int,
+    "stop_step": _optional_int,
+    "row": _optional_int,
+    "col": _optional_int,
+    "seed": int,
+    "affects_replay": _bool,
+    "ranks": _int_list,
+}
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA_V1 = """
 CREATE TABLE run (
@@ -73,8 +73,22 @@ CREATE INDEX step_stats_site ON step_stats(site_id, step);
 CREATE INDEX incidents_step ON incidents(step);
 """
 
+# Version 2: the results of a paired healthy-vs-suspect study (aegis_sdc.study), one per run directory.
+# A metric row is (step, scope, metric, value); docs/study.md lists the scopes and metrics. NaN is NULL.
+_SCHEMA_V2 = """
+CREATE TABLE study (
+    id INTEGER PRIMARY KEY CHECK (id = 1), mode TEXT NOT NULL, config_json TEXT NOT NULL,
+    started_wall REAL NOT NULL, finished_wall REAL, summary_json TEXT
+);
+CREATE TABLE study_metrics (
+    step INTEGER NOT NULL, scope TEXT NOT NULL, metric TEXT NOT NULL, value REAL,
+    PRIMARY KEY (step, scope, metric)
+);
+CREATE INDEX study_metrics_metric ON study_metrics(metric, scope, step);
+"""
+
 # Migrations from version N-1 to N, applied in order. Version 1 is the first schema.
-_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1}
+_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
 
 
 class StoreError(RuntimeError):
@@ -281,6 +295,25 @@ class Store:
             (step, site_id, kind, message, None if data is None else _dumps(data), time.time()),
         )
 
+    # -- a study (aegis_sdc.study) ------------------------------------------------------------------
+    def write_study(self, mode: str, config: dict[str, Any]) -> None:
+        with self.transaction() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO study (id, mode, config_json, started_wall) VALUES (1, ?, ?, ?)",
+                (mode, _dumps(config), time.time()),
+            )
+
+    def write_study_metrics(self, rows: Iterable[tuple[int, str, str, float]]) -> None:
+        """One step's rows, committed together (a crash loses at most the step in flight)."""
+        with self.transaction() as c:
+            c.executemany("INSERT OR REPLACE INTO study_metrics (step, scope, metric, value) VALUES (?,?,?,?)", rows)
+
+    def finish_study(self, summary: dict[str, Any]) -> None:
+        with self.transaction(durable=True) as c:
+            c.execute(
+                "UPDATE study SET finished_wall = ?, summary_json = ? WHERE id = 1", (time.time(), _dumps(summary))
+            )
+
 
 def _finite_or_none(value: float) -> float | None:
     return value if value == value and abs(value) != float("inf") else None
@@ -391,5 +424,27 @@ def read_site_series(path: Path) -> dict[str, list[tuple[int, float, float, floa
         ):
             series.setdefault(r[0], []).append((r[1], r[2], r[3], r[4], r[5]))
         return series
+    finally:
+        conn.close()
+
+
+def read_study(path: str | os.PathLike) -> dict[str, Any]:
+    """The study of a store: mode, config, summary (None until it finished) and its metric rows."""
+    conn = open_reader(Path(path))
+    try:
+        head = conn.execute("SELECT mode, config_json, summary_json FROM study WHERE id = 1").fetchone()
+        if head is None:
+            raise StoreError(f"{path} holds no study")
+        rows = [
+            (r["step"], r["scope"], r["metric"], float("nan") if r["value"] is None else r["value"])
+            # rowid: the order the study wrote them in (submodules in module order)
+            for r in conn.execute("SELECT step, scope, metric, value FROM study_metrics ORDER BY step, rowid")
+        ]
+        return {
+            "mode": head["mode"],
+            "config": json.loads(head["config_json"]),
+            "summary": json.loads(head["summary_json"]) if head["summary_json"] else None,
+            "rows": rows,
+        }
     finally:
         conn.close()

@@ -19,7 +19,8 @@ class TokenStreamConfig:
     seq_len: int = 128
     batch_size: int = 8
     branching: int = 4
-    seed: int = 0
+    seed: int = 0  # the chain (successors and their probabilities)
+    sample_seed: int | None = None  # the order of the samples drawn from it; None: seed + 1
 
     def __post_init__(self) -> None:
         if not (1 <= self.branching <= self.vocab_size):
@@ -39,7 +40,8 @@ class SyntheticTokens:
         self.successors = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(v)])  # [V, k]
         weights = torch.rand(v, k, generator=g) + 0.1
         self.probs = weights / weights.sum(dim=1, keepdim=True)  # [V, k]
-        self._generator = torch.Generator().manual_seed(config.seed + 1)
+        sample_seed = config.seed + 1 if config.sample_seed is None else config.sample_seed
+        self._generator = torch.Generator().manual_seed(sample_seed)
 
     def entropy_rate(self) -> float:
         """Nats per token of the chain, averaged over tokens uniformly: the floor of the loss."""
