@@ -1,4 +1,8 @@
-"""Worker processes of the distributed tests (gloo on the CPU). Each writes a JSON result file."""
+"""Worker processes of the distributed tests. Each writes a JSON result file.
+
+gloo on the CPU by default; with AEGIS_TEST_BACKEND=nccl each rank runs on GPU `rank` over NCCL (the
+same tests, on a machine with enough GPUs).
+"""
 
 from __future__ import annotations
 
@@ -18,18 +22,26 @@ from aegis_sdc.workloads.llama import Llama
 CFG = SMALL
 
 
-def init(rank: int, world: int, port: int) -> None:
+BACKEND = os.environ.get("AEGIS_TEST_BACKEND", "gloo")
+
+
+def init(rank: int, world: int, port: int) -> torch.device:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cpu")
+    if BACKEND == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)  # before the group: NCCL and object collectives use it
+    dist.init_process_group(BACKEND, rank=rank, world_size=world)
     torch.set_num_threads(1)
+    return device
 
 
-def workload(rank: int, parallel: str):
+def workload(rank: int, device: torch.device):
     torch.manual_seed(0)  # the same model on every rank
-    model = Llama(CFG)
-    data = SyntheticTokens(TokenStreamConfig(vocab_size=CFG.vocab_size, seq_len=64, batch_size=4, seed=100 + rank))
-    return model, data
+    model = Llama(CFG).to(device)
+    stream = TokenStreamConfig(vocab_size=CFG.vocab_size, seq_len=64, batch_size=4, seed=100 + rank)
+    return model, SyntheticTokens(stream, device=device)
 
 
 def fail_during_exchange(guard, stall_at: int | None, die_at: int | None) -> None:
@@ -48,9 +60,9 @@ def fail_during_exchange(guard, stall_at: int | None, die_at: int | None) -> Non
 
 def guarded_training(rank: int, world: int, port: int, out: str, options: dict) -> None:
     """DDP or FSDP2 training of the workload, protected or not, with optional faults and stalls."""
-    init(rank, world, port)
+    device = init(rank, world, port)
     parallel = options.get("parallel", "ddp")
-    model, data = workload(rank, parallel)
+    model, data = workload(rank, device)
     faults = tuple(aegis.FaultSpec(**spec) for spec in options.get("faults", ()))
     config = aegis.GuardConfig(
         run_dir=os.path.join(out, "run"),
@@ -70,7 +82,8 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
             if options.get("protect", True):
                 # before wrapping: clean site names; the data-parallel group the ranks compare over
                 guard = aegis.protect(model, config=config, process_group=group)
-            model = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+            device_ids = [device.index] if device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(model, process_group=group, device_ids=device_ids)
             optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
             if guard is not None:
                 guard.attach_optimizer(optimizer)
@@ -81,7 +94,7 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
 
             if options.get("protect", True):
                 guard = aegis.protect(model, config=config)  # before sharding
-            mesh = init_device_mesh("cpu", (world,))
+            mesh = init_device_mesh(device.type, (world,))
             for block in model.layers:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -110,8 +123,11 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
                 result["summary"] = guard.close().to_dict()
     finally:
         Path(out, f"result{rank}.json").write_text(json.dumps(result))
-    if "exchange_error" not in result:
-        dist.destroy_process_group()
+    if "exchange_error" in result:
+        # The peer is gone or stuck: tearing the group down would wait for it (NCCL's destructor
+        # does). The result is written; leave at once, as a job's rank would after the error.
+        os._exit(0)
+    dist.destroy_process_group()
 
 
 def exchange_cost(rank: int, world: int, port: int, out: str, options: dict) -> None:

@@ -1,5 +1,6 @@
-"""Data-parallel sensors on the CPU with gloo and 2–4 processes: rank outliers, collective checks,
-DDP and FSDP2, and what happens when a rank dies or stalls."""
+"""Data-parallel sensors with 2–4 processes: rank outliers, collective checks, DDP and FSDP2, and what
+happens when a rank dies or stalls. gloo on the CPU; `AEGIS_TEST_BACKEND=nccl` runs the same tests
+over NCCL, one GPU per rank (tests needing more ranks than GPUs are skipped)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import socket
 import time
 
 import pytest
+import torch
 from tests import dist_workers
 
 from aegis_sdc.store.sqlite import read_incidents, read_warnings
@@ -27,6 +29,8 @@ def run_workers(fn, world: int, tmp_path, options: dict, timeout: float = 240.0)
 
     Plain processes (not torch's spawn context, which kills the survivors when one rank exits, and the
     tests need survivors to report); none outlives `timeout`."""
+    if dist_workers.BACKEND == "nccl" and torch.cuda.device_count() < world:
+        pytest.skip(f"{world} ranks over NCCL need {world} GPUs, {torch.cuda.device_count()} present")
     tmp_path.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -48,10 +52,11 @@ def run_workers(fn, world: int, tmp_path, options: dict, timeout: float = 240.0)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_faulty_rank_is_named_by_its_incident_and_by_the_outlier_warning(world, tmp_path):
+@pytest.mark.parametrize(("world", "parallel"), [(2, "ddp"), (3, "ddp"), (2, "fsdp2")])
+def test_a_faulty_rank_is_named_by_its_incident_and_by_the_outlier_warning(world, parallel, tmp_path):
     fault = {"site": SITE, "model": "bitflip", "bit": 27, "steps": (22,), "ranks": (1,)}
-    results = run_workers(dist_workers.guarded_training, world, tmp_path, {"faults": [fault], "steps": 24})
+    options = {"faults": [fault], "steps": 24, "parallel": parallel}
+    results = run_workers(dist_workers.guarded_training, world, tmp_path, options)
     incidents = [i for r in results for i in r["incidents"]]
     assert [(i["site"], i["step"], i["rank"]) for i in incidents] == [(SITE, 22, 1)]
     for r in results:  # every rank sees the same warning, about rank 1 only
@@ -64,8 +69,10 @@ def test_a_faulty_rank_is_named_by_its_incident_and_by_the_outlier_warning(world
 
 
 @pytest.mark.slow
-def test_clean_data_parallel_training_raises_nothing(tmp_path):
-    results = run_workers(dist_workers.guarded_training, 2, tmp_path, {"steps": 30, "sampling": 0.5})
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_clean_data_parallel_training_raises_nothing(parallel, tmp_path):
+    options = {"steps": 30, "sampling": 0.5, "parallel": parallel}
+    results = run_workers(dist_workers.guarded_training, 2, tmp_path, options)
     for r in results:
         assert r["incidents"] == [] and r["warnings"] == []
         assert r["summary"]["confirmed"] == 0 and r["summary"]["outlier_warnings"] == 0

@@ -27,13 +27,14 @@ def make_task(
     a=None,
     task_id=1,
     step=3,
+    copy_whole=False,
 ):
     g = torch.Generator().manual_seed(0)
     a = torch.randn(100, 64, generator=g).to(dtype) if a is None else a
     b = torch.randn(64, 70, generator=g).to(dtype)
     ops = GemmOperands(a, b, None, dtype, TILING)
     result = checked_gemm(a, b, out_dtype=dtype, col_check=True, tiling=TILING, fault=fault)
-    capture = GemmCapture(ops, result, extent=extent, row_index=row, col_index=col, fault=fault)
+    capture = GemmCapture(ops, result, extent=extent, row_index=row, col_index=col, fault=fault, copy_whole=copy_whole)
     evidence = Evidence(SITE, step, 0, channel, 99.0, 10.0, row, 1.0, capture.region, (channel,))
     return VTask(task_id, evidence, capture), b
 
@@ -123,6 +124,18 @@ def test_a_weight_changed_before_the_replay_makes_the_task_not_verifiable():
     b.add_(1.0)  # what an optimizer step does to a referenced weight
     verdict = Verifier(VerifyConfig()).verify(task, step=3)
     assert verdict.kind is VerdictKind.NOT_VERIFIABLE and "modified" in verdict.detail
+
+
+def test_a_weight_freed_before_the_replay_is_named_and_a_copied_one_still_verifies():
+    # FSDP2 resizes an unsharded weight's storage to zero once the module has run.
+    task, b = make_task(fault=fault_at(40, 20))
+    b.untyped_storage().resize_(0)
+    verdict = Verifier(VerifyConfig()).verify(task, step=3)
+    assert verdict.kind is VerdictKind.NOT_VERIFIABLE and "freed before the replay" in verdict.detail
+    task, b = make_task(fault=fault_at(40, 20), copy_whole=True)  # what captures do under attach_fsdp
+    assert not task.payload.references_tensors
+    b.untyped_storage().resize_(0)
+    assert Verifier(VerifyConfig()).verify(task, step=3).kind is VerdictKind.CONFIRMED_SDC
 
 
 def test_nonfinite_operands_are_reported_as_nonfinite_input():

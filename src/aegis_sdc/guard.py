@@ -241,6 +241,8 @@ class Guard:
         """Check FSDP2's gradient reduce-scatters: call after `fully_shard`. Returns the modules hooked."""
         from torch.distributed.fsdp import FSDPModule
 
+        for sensor in self.sensors:
+            sensor.copy_referenced = True  # FSDP2 frees unsharded weights before verification
         hooked = 0
         for name, module in model.named_modules():
             if isinstance(module, FSDPModule):
@@ -377,17 +379,20 @@ class Guard:
                 self._next_vtask += 1
                 report.alarms.append(task)
                 evidence_of[task.id] = evidence
-        for record in self.comm_checks.take():
-            if record.mismatched():
+        comm_records = self.comm_checks.take()
+        # One transfer for every checked collective of the step (the device work is done by now).
+        comm_values = torch.stack([r.ratios().max() for r in comm_records]).cpu().tolist() if comm_records else []
+        for record, value in zip(comm_records, comm_values, strict=True):
+            if value > 1.0:
                 evidence = Evidence(
-                    site=record.site, step=record.step, call=0, channel=Channel.COMM, value=record.value(),
+                    site=record.site, step=record.step, call=0, channel=Channel.COMM, value=value,
                     threshold=1.0, index=record.mismatched()[0], raw_l2=0.0, channels=(Channel.COMM,),
                 )  # fmt: skip
                 task = VTask(self._next_vtask, evidence, CommCapture(record, [self.identity.rank]))
                 self._next_vtask += 1
                 report.alarms.append(task)
                 evidence_of[task.id] = evidence
-            self._comm_values[record.site.id - len(self.sensors)] = record.value()
+            self._comm_values[record.site.id - len(self.sensors)] = value
         if self.dist is not None and not drain:
             self._exchange(step, report)
         self._pending_evidence.update(evidence_of)

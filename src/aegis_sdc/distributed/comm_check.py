@@ -75,12 +75,20 @@ class CommRecord:
     rescan: Callable[[], torch.Tensor] | None  # recomputes `received` from where the result is stored now
     scale: float = 1.0  # the stored result is the received one times this (DDP stores the average)
 
+    def ratios(self) -> torch.Tensor:
+        """[chunks] |received − expected| / bound (> 1: a mismatch). A non-finite result where the ranks'
+        sums are finite is a mismatch (inf); where a rank's own gradient was not finite there is
+        nothing to check (0): the non-finite value is the training's, not the collective's."""
+        ratio = (self.received - self.expected).abs() / self.bound
+        ratio = torch.where(torch.isfinite(ratio), ratio, torch.full_like(ratio, float("inf")))
+        return torch.where(torch.isfinite(self.expected), ratio, torch.zeros_like(ratio))
+
     def mismatched(self) -> list[int]:
-        return [int(i) for i in torch.nonzero((self.received - self.expected).abs() > self.bound).flatten()]
+        return [int(i) for i in torch.nonzero(self.ratios() > 1.0).flatten()]
 
     def value(self) -> float:
-        """Largest |received − expected| / bound over the chunks (> 1: a mismatch)."""
-        return float(((self.received - self.expected).abs() / self.bound).max())
+        """Largest ratio over the chunks (> 1: a mismatch)."""
+        return float(self.ratios().max())
 
 
 class CommCapture:
@@ -107,7 +115,7 @@ class CommCapture:
         )
         if r.rescan is not None:
             now = r.rescan() / r.scale
-            still = bool(((now - r.expected).abs() > r.bound).any())
+            still = bool((~((now - r.expected).abs() <= r.bound) & torch.isfinite(r.expected)).any())
             detail += "; the stored gradient " + ("still differs" if still else "now agrees (a transient read error)")
         return bool(chunks), detail
 

@@ -180,7 +180,7 @@ def _triton_forward(ctx, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         col_check=hooks.forward.col_check,
         counters=hooks.counters_for("fwd", m, n, x2d.device),
         state=hooks.state,
-        weight_stats=lambda: triton_linear.WeightStats.compute(weight)[0],
+        weight_stats=lambda w: triton_linear.WeightStats.compute(w)[0],
         byproducts=wgrad_plan is not None,
     )
     if wgrad_plan is not None:
@@ -217,7 +217,7 @@ def _triton_backward(ctx, dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Ten
                 col_check=hooks.dgrad.col_check,
                 counters=hooks.counters_for("dgrad", m, n, dy.device),
                 state=hooks.state,
-                weight_stats=lambda: triton_linear.WeightStats.compute(weight)[2],
+                weight_stats=lambda w: triton_linear.WeightStats.compute(w)[2],
                 byproducts=wgrad_cols,
             )
             if wgrad_cols:

@@ -108,6 +108,11 @@ class ReferencedOperands:
         for tensor, version in zip(self.references, self.versions, strict=True):
             if tensor._version != version:
                 return f"a referenced tensor of shape {tuple(tensor.shape)} was modified before the replay"
+            if tensor.numel() and tensor.untyped_storage().nbytes() == 0:
+                return (
+                    f"a referenced tensor of shape {tuple(tensor.shape)} was freed before the replay"
+                    " (as FSDP2 frees unsharded weights; protect before fully_shard and call attach_fsdp)"
+                )
         return None
 
 
@@ -123,6 +128,7 @@ class GemmCapture(ReferencedOperands):
         row_index: int,
         col_index: int,
         fault=None,  # the AccumulatorFault applied to this call, if any (replayed if persistent)
+        copy_whole: bool = False,  # copy whole operands too (their storage may be freed: FSDP2)
     ) -> None:
         if extent not in EXTENTS:
             raise ValueError(f"extent must be one of {EXTENTS}, got {extent!r}")
@@ -139,6 +145,8 @@ class GemmCapture(ReferencedOperands):
         self.region = Tile(r0, r1, c0, c1)
 
         # Operands: a slab is copied, a whole operand is referenced (and version-checked).
+        if copy_whole:
+            whole_rows = whole_cols = False  # nothing referenced: the slabs below are the whole operands
         self.a_part = a if whole_rows else a[r0:r1].clone()
         self.b_part = b if whole_cols else b[:, c0:c1].clone()
         bias = operands.bias

@@ -46,7 +46,7 @@ class TritonGemmCall:
     u2: torch.Tensor | None
     pool: tg.CapturePool | None
     fault: tuple | None  # (model, row, col, delta, mask) of a persistent fault, else None
-    weight_stats: object | None = None  # recomputes cvec from the weight, to verify the reference side
+    weight_stats: object | None = None  # weight → cvec, recomputed from `b` to verify the reference side
 
     @property
     def references(self) -> tuple[torch.Tensor, ...]:
@@ -163,7 +163,7 @@ class TritonGemmCapture(ReferencedOperands):
         with_cols = tile and call.u1 is not None
         b_rowsum = call.cvec
         if not tile and call.weight_stats is not None:
-            b_rowsum = call.weight_stats()  # recompute B·1 from the weight: verifies the cached vector
+            b_rowsum = call.weight_stats(call.b)  # recompute B·1 from the weight: verifies the cached vector
         f64 = torch.float64  # the capture pool keeps every partial in fp64 (fp32 ones upcast exactly)
         return TritonRegion(
             row_part=result.row_part[:, rows].to(f64),

@@ -175,6 +175,9 @@ class GemmSensor:
         self._call_step = -1
         self._calls_in_step = 0
         self.step_stats = SiteStepStats()
+        # Under FSDP2 the unsharded weight a capture would reference is freed after the module has
+        # run (resharding), before the step's verification: captures then copy it (Guard.attach_fsdp).
+        self.copy_referenced = False
 
     @property
     def median_l2(self) -> float | None:
@@ -228,6 +231,11 @@ class GemmSensor:
         """A Triton launch planned by this sensor; its evidence stays on the device until step end."""
         if not self._executed(plan):
             return
+        if self.copy_referenced and call is not None:
+            # Whether the call alarms is known at the step's end, after FSDP2 has freed the weight:
+            # keep a copy of what a rows capture would reference (one pass over the weight per check).
+            call.b = None if call.b is None else call.b.clone()
+            call.bias = None if call.bias is None else call.bias.clone()
         self.recorder.append(
             CallRecord(self, plan, None, None, raw=raw, triton_call=call, thresholds=self.thresholds(*shape))
         )
@@ -248,6 +256,7 @@ class GemmSensor:
             row_index=int(s[ROW_INDEX]),
             col_index=int(s[COL_INDEX]),
             fault=plan.fault,
+            copy_whole=self.copy_referenced,
         )
 
     # -- step end: host side ----------------------------------------------------------------------
