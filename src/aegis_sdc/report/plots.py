@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from aegis_sdc.store.sqlite import open_reader
+from aegis_sdc.store.sqlite import reading
 
 
 def _series(conn: sqlite3.Connection):
@@ -34,14 +34,11 @@ def plot_site_differences(db_path: str | Path, out_png: str | Path, highlight: s
     confirmed incidents are marked. Bottom: one site (the `highlight`, else the one with the most
     incidents, else the one closest to its threshold) with its raw value and threshold, log scale.
     """
-    conn = open_reader(Path(db_path))
-    try:
+    with reading(db_path) as conn:
         series = _series(conn)
         incidents = conn.execute(
             "SELECT s.name, i.step FROM incidents i JOIN sites s ON s.id = i.site_id ORDER BY i.step"
         ).fetchall()
-    finally:
-        conn.close()
     if highlight is None:
         if incidents:
             names = [n for n, _ in incidents]

@@ -351,33 +351,46 @@ def open_reader(path: Path) -> sqlite3.Connection:
     return conn
 
 
+@contextmanager
+def reading(path: str | os.PathLike) -> Iterator[sqlite3.Connection]:
+    """A reader of one rank database, closed afterwards."""
+    conn = open_reader(Path(path))
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def _each_rank(run_dir: str | os.PathLike) -> Iterator[tuple[RankDatabase, sqlite3.Connection]]:
+    """Every rank database of a run directory with a reader, one at a time."""
+    for db in rank_databases(run_dir):
+        with reading(db.path) as conn:
+            yield db, conn
+
+
 def read_incidents(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """All incidents of all ranks, ordered by step then rank."""
     rows: list[dict[str, Any]] = []
-    for db in rank_databases(run_dir):
-        conn = open_reader(db.path)
-        try:
-            for r in conn.execute(
-                "SELECT i.id, i.step, i.host, i.rank, i.local_rank, i.device, i.gpu_uuid, i.record_json, s.name AS site"
-                " FROM incidents i JOIN sites s ON s.id = i.site_id ORDER BY i.step, i.id"
-            ):
-                record = json.loads(r["record_json"])
-                rows.append(
-                    {
-                        "id": r["id"],
-                        "rank": r["rank"],
-                        "local_rank": r["local_rank"],
-                        "host": r["host"],
-                        "device": r["device"],
-                        "gpu_uuid": r["gpu_uuid"],
-                        "site": r["site"],
-                        "step": r["step"],
-                        "evidence": record["evidence"],
-                        "verdict": record["verdict"],
-                    }
-                )
-        finally:
-            conn.close()
+    for _, conn in _each_rank(run_dir):
+        for r in conn.execute(
+            "SELECT i.id, i.step, i.host, i.rank, i.local_rank, i.device, i.gpu_uuid, i.record_json, s.name AS site"
+            " FROM incidents i JOIN sites s ON s.id = i.site_id ORDER BY i.step, i.id"
+        ):
+            record = json.loads(r["record_json"])
+            rows.append(
+                {
+                    "id": r["id"],
+                    "rank": r["rank"],
+                    "local_rank": r["local_rank"],
+                    "host": r["host"],
+                    "device": r["device"],
+                    "gpu_uuid": r["gpu_uuid"],
+                    "site": r["site"],
+                    "step": r["step"],
+                    "evidence": record["evidence"],
+                    "verdict": record["verdict"],
+                }
+            )
     rows.sort(key=lambda r: (r["step"], r["rank"], r["id"]))
     return rows
 
@@ -385,53 +398,29 @@ def read_incidents(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 def read_warnings(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Rank-outlier warnings of all ranks (each rank stores those about itself), ordered by step."""
     rows: list[dict[str, Any]] = []
-    for db in rank_databases(run_dir):
-        conn = open_reader(db.path)
-        try:
-            for r in conn.execute(
-                "SELECT e.step, e.message, e.data_json, s.name AS site FROM events e"
-                " LEFT JOIN sites s ON s.id = e.site_id WHERE e.kind = 'rank_outlier' ORDER BY e.step, e.id"
-            ):
-                data = json.loads(r["data_json"]) if r["data_json"] else {}
-                rows.append({"step": r["step"], "site": r["site"], "rank": data.get("rank", db.rank),
-                             "message": r["message"], "data": data})  # fmt: skip
-        finally:
-            conn.close()
+    for db, conn in _each_rank(run_dir):
+        for r in conn.execute(
+            "SELECT e.step, e.message, e.data_json, s.name AS site FROM events e"
+            " LEFT JOIN sites s ON s.id = e.site_id WHERE e.kind = 'rank_outlier' ORDER BY e.step, e.id"
+        ):
+            data = json.loads(r["data_json"]) if r["data_json"] else {}
+            rows.append({"step": r["step"], "site": r["site"], "rank": data.get("rank", db.rank),
+                         "message": r["message"], "data": data})  # fmt: skip
     rows.sort(key=lambda r: (r["step"], r["rank"]))
     return rows
 
 
 def read_verdict_counts(run_dir: str | os.PathLike) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for db in rank_databases(run_dir):
-        conn = open_reader(db.path)
-        try:
-            for kind, n in conn.execute("SELECT kind, COUNT(*) FROM verdicts GROUP BY kind"):
-                counts[kind] = counts.get(kind, 0) + n
-        finally:
-            conn.close()
+    for _, conn in _each_rank(run_dir):
+        for kind, n in conn.execute("SELECT kind, COUNT(*) FROM verdicts GROUP BY kind"):
+            counts[kind] = counts.get(kind, 0) + n
     return counts
-
-
-def read_site_series(path: Path) -> dict[str, list[tuple[int, float, float, float, float]]]:
-    """Per site name: (step, max_row, threshold_row, max_col, threshold_col) over the checked steps."""
-    conn = open_reader(path)
-    try:
-        series: dict[str, list[tuple[int, float, float, float, float]]] = {}
-        for r in conn.execute(
-            "SELECT s.name, t.step, t.max_row, t.threshold_row, t.max_col, t.threshold_col FROM step_stats t"
-            " JOIN sites s ON s.id = t.site_id WHERE t.checks > 0 ORDER BY s.id, t.step"
-        ):
-            series.setdefault(r[0], []).append((r[1], r[2], r[3], r[4], r[5]))
-        return series
-    finally:
-        conn.close()
 
 
 def read_study(path: str | os.PathLike) -> dict[str, Any]:
     """The study of a store: mode, config, summary (None until it finished) and its metric rows."""
-    conn = open_reader(Path(path))
-    try:
+    with reading(path) as conn:
         head = conn.execute("SELECT mode, config_json, summary_json FROM study WHERE id = 1").fetchone()
         if head is None:
             raise StoreError(f"{path} holds no study")
@@ -446,5 +435,3 @@ def read_study(path: str | os.PathLike) -> dict[str, Any]:
             "summary": json.loads(head["summary_json"]) if head["summary_json"] else None,
             "rows": rows,
         }
-    finally:
-        conn.close()
