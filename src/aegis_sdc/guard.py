@@ -26,7 +26,13 @@ from torch import nn
 
 from aegis_sdc import __version__
 from aegis_sdc.config import GuardConfig, default_run_dir
-from aegis_sdc.distributed.comm_check import CheckedReduceScatter, CommCapture, CommChecks, checked_allreduce_hook
+from aegis_sdc.distributed.comm_check import (
+    CheckedReduceScatter,
+    CommCapture,
+    CommChecks,
+    checked_allreduce_hook,
+    max_ratios,
+)
 from aegis_sdc.distributed.context import make_context
 from aegis_sdc.distributed.identity import discover
 from aegis_sdc.distributed.outlier import OutlierWarning, detect_outliers
@@ -381,7 +387,7 @@ class Guard:
                 evidence_of[task.id] = evidence
         comm_records = self.comm_checks.take()
         # One transfer for every checked collective of the step (the device work is done by now).
-        comm_values = torch.stack([r.ratios().max() for r in comm_records]).cpu().tolist() if comm_records else []
+        comm_values = max_ratios(comm_records).cpu().tolist() if comm_records else []
         for record, value in zip(comm_records, comm_values, strict=True):
             if value > 1.0:
                 evidence = Evidence(

@@ -29,16 +29,26 @@ from aegis_sdc.events import Site, Tile
 SUB = 64  # elements summed in fp32 before the fp64 sum of a chunk: fast, and a tight error bound
 
 
+def chunk_size(numel: int, chunks: int) -> int:
+    """Elements per chunk: ceil(numel / chunks) rounded up to whole SUB-groups."""
+    per_chunk = -(-numel // chunks)
+    return max(SUB, -(-per_chunk // SUB) * SUB)
+
+
 def chunk_sums(flat: torch.Tensor, chunks: int) -> torch.Tensor:
     """[2, chunks] fp64: per-chunk sum and sum of magnitudes of a flat tensor (unused chunks zero).
 
     Chunks are whole multiples of SUB elements; each SUB-group is summed in fp32 (error at most
     SUB·u₃₂ of its magnitudes, see `rounding_bound`), the groups in fp64. A full fp64 copy of a
-    25 MB bucket would cost ~20× more on a CPU."""
+    25 MB bucket would cost ~20× more on a CPU. CUDA tensors take one fused Triton pass
+    (`kernels.triton_chunk_sums`: same chunks, same SUB-groups, two launches instead of a dozen)."""
     flat = flat.reshape(-1)
     n = flat.numel()
-    per_chunk = -(-n // chunks)  # ceil(n / chunks)
-    size = max(SUB, -(-per_chunk // SUB) * SUB)  # rounded up to whole SUB-groups
+    size = chunk_size(n, chunks)
+    if flat.is_cuda:
+        from aegis_sdc.kernels.triton_chunk_sums import triton_chunk_sums
+
+        return triton_chunk_sums(flat.contiguous(), chunks, size, SUB)
     full = n // size
     out = torch.zeros(2, chunks, dtype=torch.float64, device=flat.device)
     if full:
@@ -61,6 +71,12 @@ def rounding_bound(dtype: torch.dtype, world: int, magnitude: torch.Tensor) -> t
     return (2 * gamma + 4 * SUB * u32) * magnitude + 1e-300
 
 
+def _ratios(received: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    ratio = (received - expected).abs() / bound
+    ratio = torch.where(torch.isfinite(ratio), ratio, torch.full_like(ratio, float("inf")))
+    return torch.where(torch.isfinite(expected), ratio, torch.zeros_like(ratio))
+
+
 @dataclasses.dataclass
 class CommRecord:
     """One checked collective of one step on this rank."""
@@ -79,9 +95,7 @@ class CommRecord:
         """[chunks] |received − expected| / bound (> 1: a mismatch). A non-finite result where the ranks'
         sums are finite is a mismatch (inf); where a rank's own gradient was not finite there is
         nothing to check (0): the non-finite value is the training's, not the collective's."""
-        ratio = (self.received - self.expected).abs() / self.bound
-        ratio = torch.where(torch.isfinite(ratio), ratio, torch.full_like(ratio, float("inf")))
-        return torch.where(torch.isfinite(self.expected), ratio, torch.zeros_like(ratio))
+        return _ratios(self.received, self.expected, self.bound)
 
     def mismatched(self) -> list[int]:
         return [int(i) for i in torch.nonzero(self.ratios() > 1.0).flatten()]
@@ -89,6 +103,13 @@ class CommRecord:
     def value(self) -> float:
         """Largest ratio over the chunks (> 1: a mismatch)."""
         return float(self.ratios().max())
+
+
+def max_ratios(records: list[CommRecord]) -> torch.Tensor:
+    """[records] the largest |received − expected| / bound of each record, computed for all records
+    of a step at once (a handful of launches, whatever the number of buckets)."""
+    stacked = (torch.stack([getattr(r, name) for r in records]) for name in ("received", "expected", "bound"))
+    return _ratios(*stacked).amax(dim=1)
 
 
 class CommCapture:
@@ -140,7 +161,7 @@ class CommChecks:
         self.records.append(
             CommRecord(
                 site, self.step, expected[0], chunk_sums(received, self.chunks)[0] / scale,
-                rounding_bound(dtype, world, expected[1]), -(-received.numel() // self.chunks), received.numel(),
+                rounding_bound(dtype, world, expected[1]), chunk_size(received.numel(), self.chunks), received.numel(),
                 rescan, scale,
             )
         )  # fmt: skip
