@@ -195,6 +195,42 @@ class DistributedConfig:
         _require(self.comm_chunks >= 1, "DistributedConfig.comm_chunks must be >= 1")
 
 
+@dataclass(frozen=True)
+class FingerprintConfig:
+    """Fingerprint checks of recomputed and saved activations (docs/fingerprints.md).
+
+    - `recompute`: check checkpointed segments (`torch.utils.checkpoint`, non-reentrant): the output
+      in forward against the output of its recomputation in backward. Costs one read of each
+      segment's output per pass, a small fraction of the segment's own work: on by default, every
+      call (`recompute_probability`).
+    - `calibration_checks`: the first checks of a recompute site also run the segment a third time,
+      so a segment with non-deterministic operators is found and reported as not covered.
+    - `saved_tensors`: check tensors saved for backward: fingerprinted when saved and when used.
+      `saved_probability` samples whole steps (identical on every rank): Python pack/unpack hooks
+      cost microseconds per saved tensor, so unsampled steps run without them. In a sampled step
+      every saved tensor is read twice more and stays referenced until the step's end.
+    - `saved_min_bytes`: smaller saved tensors are not fingerprinted (their launches cost more than
+      their bytes).
+    - `pool_slots`: fingerprints per device buffer (buffers are added when a step needs more).
+    """
+
+    recompute: bool = True
+    recompute_probability: float = 1.0
+    calibration_checks: int = 2
+    saved_tensors: bool = True
+    saved_probability: float = 0.05
+    saved_min_bytes: int = 1 << 16
+    pool_slots: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("recompute_probability", "saved_probability"):
+            value = getattr(self, name)
+            _require(0.0 <= value <= 1.0, f"FingerprintConfig.{name} must lie in [0, 1], got {value}")
+        _require(self.calibration_checks >= 0, "FingerprintConfig.calibration_checks must be >= 0")
+        _require(self.saved_min_bytes >= 4, "FingerprintConfig.saved_min_bytes must be >= 4")
+        _require(self.pool_slots >= 1, "FingerprintConfig.pool_slots must be >= 1")
+
+
 def default_run_dir() -> str:
     """``aegis-runs/<run id>``; the id comes from AEGIS_RUN_ID, torchrun's run id, or the start time."""
     run_id = os.environ.get("AEGIS_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
@@ -223,6 +259,7 @@ class GuardConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     response: ResponseConfig = field(default_factory=ResponseConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    fingerprints: FingerprintConfig = field(default_factory=FingerprintConfig)
     faults: tuple[FaultSpec, ...] = ()
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
@@ -238,6 +275,7 @@ class GuardConfig:
             ("verify", VerifyConfig),
             ("response", ResponseConfig),
             ("distributed", DistributedConfig),
+            ("fingerprints", FingerprintConfig),
         ):
             value = getattr(self, name)
             _require(

@@ -31,6 +31,13 @@ class CommKind(str, enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"  # FSDP2 parameter group
 
 
+class FingerprintKind(str, enum.Enum):
+    """What a fingerprint site compares."""
+
+    RECOMPUTE = "recompute"  # a checkpointed segment's output: forward against its recomputation
+    SAVED = "saved"  # a tensor saved for backward: when saved against when used
+
+
 class Channel(str, enum.Enum):
     """Which checksum raised the evidence."""
 
@@ -38,6 +45,7 @@ class Channel(str, enum.Enum):
     COL = "col"  # GEMM: 1ᵀC against (1ᵀA)·B, one value per column
     NONFINITE = "nonfinite"  # the checksums themselves are NaN/Inf
     COMM = "comm"  # collective: a reduced chunk's sum against the sum of the ranks' local sums
+    FINGERPRINT = "fingerprint"  # two fingerprints of what must be the same bits
 
 
 class VerdictKind(str, enum.Enum):
@@ -45,6 +53,7 @@ class VerdictKind(str, enum.Enum):
     FALSE_ALARM = "false_alarm"  # the replay reproduced everything bit for bit: numerical noise
     NOT_VERIFIABLE = "not_verifiable"  # the replay context was gone or changed (see Verdict.detail)
     NONFINITE_INPUT = "nonfinite_input"  # NaN/Inf came from the data, not from the device
+    NOT_DETERMINISTIC = "not_deterministic"  # a repeated computation differs on its own: not covered
 
 
 class WrongExecution(str, enum.Enum):
@@ -65,7 +74,7 @@ class Site:
 
     id: int
     module: str
-    kind: GemmKind | CommKind
+    kind: GemmKind | CommKind | FingerprintKind
     op: str = "linear"
 
     @property
@@ -227,10 +236,16 @@ class Incident:
         who = self.identity
         gpu = f" ({who.gpu_uuid})" if who.gpu_uuid else ""
         tiles = ", ".join(str(t) for t in self.verdict.mismatched_tiles) or "n/a"
+        if self.evidence.channel is Channel.FINGERPRINT:
+            seen = f"the fingerprints of {int(self.evidence.value)} tensor(s) differ"
+        else:
+            seen = (
+                f"{self.evidence.channel.value} checksum {self.evidence.value:.3g} > threshold "
+                f"{self.evidence.threshold:.3g}"
+            )
         return (
             f"confirmed SDC at {self.site.name}, step {self.step}, rank {who.rank} on {who.host} "
-            f"device {who.device}{gpu}: {self.evidence.channel.value} checksum "
-            f"{self.evidence.value:.3g} > threshold {self.evidence.threshold:.3g}; "
+            f"device {who.device}{gpu}: {seen}; "
             f"wrong execution: {self.verdict.wrong_execution.value if self.verdict.wrong_execution else '?'}; "
             f"tiles: {tiles}"
         )

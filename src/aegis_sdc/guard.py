@@ -40,6 +40,7 @@ from aegis_sdc.events import (
     Channel,
     CommKind,
     Evidence,
+    FingerprintKind,
     GemmKind,
     Incident,
     RankIdentity,
@@ -48,14 +49,16 @@ from aegis_sdc.events import (
     VerdictKind,
     VTask,
 )
-from aegis_sdc.faults.injector import FaultInjector, Injection
-from aegis_sdc.faults.models import AccumulatorFault
-from aegis_sdc.hashing import unit_hash
+from aegis_sdc.faults.injector import FaultInjector
+from aegis_sdc.integrations.checkpointing import RecomputeChecker, SavedTensorChecker
 from aegis_sdc.integrations.modules import LinearFilter, restore_linears, select_linears, swap_linears
 from aegis_sdc.kernels.reference import Tiling
-from aegis_sdc.ops.checked_linear import LinearHooks
+from aegis_sdc.ops.checked_linear import LinearHooks, PlanTracer
+from aegis_sdc.ops.fingerprint import FingerprintPool
+from aegis_sdc.ops.transfer import to_host
 from aegis_sdc.ops.triton_linear import DeviceState
 from aegis_sdc.response.policies import Responder
+from aegis_sdc.sensors.fingerprint import FingerprintChecks
 from aegis_sdc.sensors.gemm import CallRecord, GemmSensor, StepClock
 from aegis_sdc.sensors.sampling import Sampler
 from aegis_sdc.store.sqlite import Store, rank_db_path
@@ -73,6 +76,7 @@ class StepReport:
     verdicts: list[Verdict] = field(default_factory=list)
     incidents: list[Incident] = field(default_factory=list)
     warnings: list[OutlierWarning] = field(default_factory=list)
+    events: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, message, site id) to store
     verify_ms: float = 0.0
 
 
@@ -93,6 +97,9 @@ class GuardSummary:
     replay_ms_total: float
     faults_injected: int
     outlier_warnings: int = 0
+    fingerprint_checks: int = 0
+    not_deterministic: int = 0
+    coverage: dict[str, Any] = field(default_factory=dict)  # fingerprint sites checked / not covered
 
     @property
     def false_alarm_rate(self) -> float:
@@ -150,7 +157,9 @@ class Guard:
         self._injections_written = 0
         self._steps_seen: set[int] = set()
         self._pending_evidence: dict[int, Evidence] = {}  # vTask id → its evidence, until verified
-        self._comm_values: dict[int, float] = {}  # this step: collective index → largest mismatch / bound
+        self._comm_values: dict[int, float] = {}  # this step: collective slot → largest mismatch / bound
+        self._comm_slot: dict[int, int] = {}  # collective site id → its slot in the exchange
+        self.tracer = PlanTracer()  # shared by every checked Linear: checkpointed segments replay plans
         self.closed = False
 
         chosen = select_linears(model, config.include, config.exclude, filter)
@@ -162,6 +171,9 @@ class Guard:
         self._next_vtask = 1 + (self.store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM vtasks").fetchone()[0])
         self._next_incident = 1 + (self.store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM incidents").fetchone()[0])
         self._swaps = swap_linears(model, chosen, self._make_hooks)
+        self.extra_sites: list[Site] = []  # collective and fingerprint sites, numbered after the GEMMs
+        self._new_sites: list[Site] = []
+        self._setup_fingerprints(model, config)
         self.store.write_run(self.identity.to_dict(), config.to_dict(), _versions())
         self.store.write_sites(s.site for s in self.sensors)
         self._handles = []
@@ -175,7 +187,6 @@ class Guard:
         self.dist = make_context(process_group, dist_cfg.exchange_timeout_s)
         self.outlier_warnings: list[OutlierWarning] = []
         self.comm_sites: dict[str, Site] = {}
-        self._new_sites: list[Site] = []
         self.comm_checks = CommChecks(dist_cfg.comm_chunks, self._register_comm_site, self._comm_fault)
         if dist_cfg.comm_check and isinstance(model, nn.parallel.DistributedDataParallel):
             self.attach_ddp(model)
@@ -206,7 +217,34 @@ class Guard:
             after_call=self._after_call,
             backend=self.config.backend,
             state=self.device_state,
+            tracer=self.tracer,
         )
+
+    def _setup_fingerprints(self, model: nn.Module, config: GuardConfig) -> None:
+        fp = config.fingerprints
+        self.fingerprint_pool = FingerprintPool(fp.pool_slots, use_triton=config.backend == "triton")
+        probability = {
+            FingerprintKind.RECOMPUTE: fp.recompute_probability,
+            FingerprintKind.SAVED: fp.saved_probability,
+        }
+        self.fingerprints = FingerprintChecks(
+            self.fingerprint_pool,
+            lambda module, kind: self._register_extra_site(module, kind, "fingerprint"),
+            lambda kind, name: self.sampler.probability_for(name, probability[kind]),
+            self.sampler.should_check,
+            fp.calibration_checks,
+        )
+        self._checkers: list[RecomputeChecker | SavedTensorChecker] = []
+        if fp.recompute:
+            self._checkers.append(RecomputeChecker(model, self.fingerprints, self.tracer, self.injector, self.clock))
+        if fp.saved_tensors:
+            self._checkers.append(
+                SavedTensorChecker(
+                    model, self.fingerprints, self.injector, self.clock, fp.saved_min_bytes, fp.saved_probability
+                )
+            )
+        for checker in self._checkers:
+            checker.install()
 
     # -- public API ------------------------------------------------------------------------------
     @property
@@ -224,8 +262,10 @@ class Guard:
         raise KeyError(f"no protected site named {site_name!r}")
 
     def _site_id(self, site_name: str) -> int:
-        comm = self.comm_sites.get(site_name)
-        return comm.id if comm is not None else self.sensor(site_name).site.id
+        for site in self.extra_sites:
+            if site.name == site_name:
+                return site.id
+        return self.sensor(site_name).site.id
 
     def subscribe(self, listener: Listener) -> None:
         """`listener(event, payload)` for events 'alarm' (VTask), 'verdict' (Verdict), 'incident', 'step'."""
@@ -292,6 +332,9 @@ class Guard:
             replay_ms_total=t.replay_ms_total,
             faults_injected=len(self.injector.log),
             outlier_warnings=len(self.outlier_warnings),
+            fingerprint_checks=c["fingerprint_checks"],
+            not_deterministic=c[VerdictKind.NOT_DETERMINISTIC.value] + c["not_deterministic_calibration"],
+            coverage=self.fingerprints.coverage(),
         )
 
     def close(self) -> GuardSummary:
@@ -303,6 +346,8 @@ class Guard:
         finally:
             for handle in self._handles:
                 handle.remove()
+            for checker in self._checkers:
+                checker.uninstall()
             restore_linears(self._swaps)
             if self.dist is not None:
                 self.dist.close()
@@ -327,34 +372,25 @@ class Guard:
         self.clock.step += 1
         self.comm_checks.step = self.clock.step
 
+    def _register_extra_site(self, module: str, kind: CommKind | FingerprintKind, op: str) -> Site:
+        """A collective's or fingerprint's site, numbered after the GEMM sites in first-use order (the
+        same on every rank: ranks run the same model and collectives)."""
+        site = Site(len(self.sensors) + len(self.extra_sites), module, kind, op=op)
+        self.extra_sites.append(site)
+        self._new_sites.append(site)
+        return site
+
     def _register_comm_site(self, name: str, kind: CommKind) -> Site:
-        """A collective's site, numbered after the GEMM sites in first-call order (the same on every rank)."""
         key = f"{name}:{kind.value}"
         site = self.comm_sites.get(key)
         if site is None:
-            site = Site(len(self.sensors) + len(self.comm_sites), name, kind, op=kind.value)
-            self.comm_sites[key] = site
-            self._new_sites.append(site)
+            site = self.comm_sites[key] = self._register_extra_site(name, kind, kind.value)
+            self._comm_slot[site.id] = len(self._comm_slot) % COMM_SLOTS
         return site
 
     def _comm_fault(self, site: Site, step: int, result: torch.Tensor) -> None:
         """Fault injection into a collective's result on this rank: a flipped bit in one element."""
-        for spec in self.injector.specs_for(site.name):
-            if spec.fires(site.id, step, 0):
-                flat = result.view(-1)
-                index = (
-                    spec.row if spec.row is not None else int(unit_hash(spec.seed, 0xC0, site.id, step) * flat.numel())
-                )
-                index = min(index, flat.numel() - 1)
-                ints = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-                mask = (
-                    -(2 ** (8 * flat.element_size() - 1)) if spec.bit == 8 * flat.element_size() - 1 else 1 << spec.bit
-                )
-                ints[index] ^= mask
-                self.injector.applied(
-                    Injection(site.name, step, 0, AccumulatorFault("bitflip", spec.bit, 0.0, index, 0, 0.0, 0.0))
-                )
-                return
+        self.injector.flip_tensor_bit(site, step, 0, result, salt=0xC0)
 
     def _optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.end_step()
@@ -375,30 +411,39 @@ class Guard:
         report = StepReport(step)
         records = list(self.recorder)
         self.recorder.clear()
-        synced = self._read_evidence(records)
+        comm_records = self.comm_checks.take()
+        fp_records = self.fingerprints.take()
+        synced, comm_values = self._read_step(records, comm_records)
         report.checks = len(records)
         evidence_of: dict[int, Evidence] = {}
+
+        def alarm(evidence: Evidence, payload: object) -> None:
+            task = VTask(self._next_vtask, evidence, payload)
+            self._next_vtask += 1
+            report.alarms.append(task)
+            evidence_of[task.id] = evidence
+
         for record, stats in zip(records, synced, strict=True):
             evidence = record.sensor.judge(record, stats)
             if evidence is not None:
-                task = VTask(self._next_vtask, evidence, record.capture)
-                self._next_vtask += 1
-                report.alarms.append(task)
-                evidence_of[task.id] = evidence
-        comm_records = self.comm_checks.take()
-        # One transfer for every checked collective of the step (the device work is done by now).
-        comm_values = max_ratios(comm_records).cpu().tolist() if comm_records else []
+                alarm(evidence, record.capture)
         for record, value in zip(comm_records, comm_values, strict=True):
             if value > 1.0:
-                evidence = Evidence(
-                    site=record.site, step=record.step, call=0, channel=Channel.COMM, value=value,
-                    threshold=1.0, index=record.mismatched()[0], raw_l2=0.0, channels=(Channel.COMM,),
+                alarm(
+                    Evidence(
+                        site=record.site, step=record.step, call=0, channel=Channel.COMM, value=value,
+                        threshold=1.0, index=record.mismatched()[0], raw_l2=0.0, channels=(Channel.COMM,),
+                    ),
+                    CommCapture(record, [self.identity.rank]),
                 )  # fmt: skip
-                task = VTask(self._next_vtask, evidence, CommCapture(record, [self.identity.rank]))
-                self._next_vtask += 1
-                report.alarms.append(task)
-                evidence_of[task.id] = evidence
-            self._comm_values[record.site.id - len(self.sensors)] = value
+            self._comm_values[self._comm_slot[record.site.id]] = value
+        mismatched, not_deterministic = self.fingerprints.judge(fp_records)
+        self.counts["fingerprint_checks"] += len(fp_records)
+        for record in mismatched:
+            alarm(record.evidence(), record.capture)
+        for name in not_deterministic:
+            self.counts["not_deterministic_calibration"] += 1
+            report.events.append(("not_deterministic", f"{name}: not deterministic — not covered", self._site_id(name)))
         if self.dist is not None and not drain:
             self._exchange(step, report)
         self._pending_evidence.update(evidence_of)
@@ -410,8 +455,12 @@ class Guard:
         for verdict in report.verdicts:
             evidence = self._pending_evidence.pop(verdict.vtask_id)
             self.counts[verdict.kind.value] += 1
-            if verdict.kind is VerdictKind.FALSE_ALARM:
+            if verdict.kind is VerdictKind.FALSE_ALARM and verdict.site.id < len(self.sensors):
                 self.sensors[verdict.site.id].on_false_alarm(evidence)
+            elif verdict.kind is VerdictKind.NOT_DETERMINISTIC:
+                state = self.fingerprints.sites.get(verdict.site.name)
+                if state is not None:
+                    state.not_deterministic = verdict.detail
             elif verdict.kind is VerdictKind.CONFIRMED_SDC:
                 incident = Incident(self._next_incident, verdict.site, evidence.step, self.identity, evidence, verdict)
                 self._next_incident += 1
@@ -461,24 +510,34 @@ class Guard:
                 failed[slot] = bad
         for task in report.alarms:
             if isinstance(task.payload, CommCapture):
-                task.payload.ranks_failed = failed.get((task.site.id - n) % COMM_SLOTS, task.payload.ranks_failed)
+                task.payload.ranks_failed = failed.get(self._comm_slot[task.site.id], task.payload.ranks_failed)
 
-    def _read_evidence(self, records: list[CallRecord]) -> list[list[float]]:
-        """The one host sync of the step: every checked call's evidence at once (per device)."""
-        synced: list[list[float] | None] = [None] * len(records)
+    def _read_step(self, records: list[CallRecord], comm_records: list) -> tuple[list[list[float]], list[float]]:
+        """The one host sync of the step: every checked call's evidence, every collective's check and
+        every fingerprint, in one transfer per device."""
         reference = [i for i, r in enumerate(records) if r.raw is None]
         triton = [i for i, r in enumerate(records) if r.raw is not None]
+        wanted = []
         if reference:
-            for i, row in zip(
-                reference, torch.stack([records[i].stats for i in reference]).cpu().tolist(), strict=True
-            ):
+            wanted.append(torch.stack([records[i].stats for i in reference]))
+        if triton:
+            wanted.append(torch.stack([records[i].raw for i in triton]))
+        if comm_records:
+            wanted.append(max_ratios(comm_records))
+        fingerprint_rows = self.fingerprint_pool.device_buffers()
+        host = to_host(wanted + fingerprint_rows)
+        self.fingerprint_pool.resolve(host[len(wanted) :])
+        host = host[: len(wanted)]
+        synced: list[list[float] | None] = [None] * len(records)
+        if reference:
+            for i, row in zip(reference, host.pop(0).tolist(), strict=True):
                 synced[i] = row
         if triton:
-            raw = torch.stack([records[i].raw for i in triton]).cpu().tolist()
-            for i, row in zip(triton, raw, strict=True):
+            for i, row in zip(triton, host.pop(0).tolist(), strict=True):
                 synced[i] = records[i].finish_triton(row)
+        comm_values = host.pop(0).tolist() if comm_records else []
         self.device_state.end_step()
-        return synced  # type: ignore[return-value]
+        return synced, comm_values  # type: ignore[return-value]
 
     def _record(self, report: StepReport) -> None:
         step = report.step
@@ -487,6 +546,8 @@ class Guard:
             if self._new_sites:
                 store.write_sites(self._new_sites)
                 self._new_sites = []
+            for kind, message, site_id in report.events:
+                store.write_event(kind, message, step=step, site_id=site_id)
             for warning in report.warnings:
                 if warning.rank == self.identity.rank:  # each rank's store keeps the warnings about itself
                     store.write_event("rank_outlier", warning.describe(), step=warning.step,

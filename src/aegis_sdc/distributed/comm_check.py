@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from aegis_sdc.events import Site, Tile
+from aegis_sdc.events import Site, Tile, VerdictKind, WrongExecution
 
 SUB = 64  # elements summed in fp32 before the fp64 sum of a chunk: fast, and a tight error bound
 
@@ -124,6 +124,13 @@ class CommCapture:
         first = chunks[0] if chunks else 0
         start = first * record.chunk_size
         self.region = Tile(0, 1, start, min(start + record.chunk_size, record.numel))
+
+    def verdict(self):
+        """(kind, wrong execution, detail) for the verifier."""
+        confirmed, detail = self.verify()
+        if confirmed:
+            return VerdictKind.CONFIRMED_SDC, WrongExecution.ORIGINAL, detail
+        return VerdictKind.FALSE_ALARM, None, detail
 
     def verify(self) -> tuple[bool, str]:
         """(confirmed, detail). Confirmed when the mismatch is beyond the exact rounding bound."""

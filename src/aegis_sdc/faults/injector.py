@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from aegis_sdc.faults.models import AccumulatorFault, FaultSpec, resolve
+from aegis_sdc.hashing import unit_hash
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -54,3 +59,23 @@ class FaultInjector:
 
     def applied(self, injection: Injection) -> None:
         self.log.append(injection)
+
+    def flip_tensor_bit(self, site, step: int, call: int, tensor: torch.Tensor, salt: int) -> Injection | None:
+        """Flip one bit of one element of `tensor` in place if a fault of `site` fires at this call:
+        the model of a corrupted value in memory or in flight (collectives, saved or recomputed
+        activations). The element is `spec.row` or drawn from the seed; the bit is `spec.bit`
+        modulo the element's width (0 = the lowest mantissa bit)."""
+        for spec in self.specs_for(site.name) if self.specs else ():
+            if not spec.fires(site.id, step, call) or tensor.numel() == 0:
+                continue
+            width = 8 * tensor.element_size()
+            n = tensor.numel()
+            index = min(spec.row if spec.row is not None else int(unit_hash(spec.seed, salt, site.id, step) * n), n - 1)
+            bit = spec.bit % width
+            where = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), tensor.shape))
+            element = tensor.detach()[where].view(_INT_OF_SIZE[tensor.element_size()])  # a view: in place
+            element.bitwise_xor_(-(1 << bit) if bit == width - 1 else 1 << bit)  # the sign bit: a negative mask
+            injection = Injection(site.name, step, call, AccumulatorFault("bitflip", bit, 0.0, index, 0, 0.0, 0.0))
+            self.applied(injection)
+            return injection
+        return None

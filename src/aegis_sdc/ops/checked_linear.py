@@ -39,6 +39,49 @@ class GemmSensorHooks(Protocol):
 
 
 @dataclass
+class SegmentTrace:
+    """The GEMM plans of one checkpointed segment's forward, in call order.
+
+    A segment recomputed in backward must take the same path as in forward — checked (tile-ordered
+    accumulation) or not (cuBLAS / `F.linear`) — or its recomputed activations differ in the last
+    bits from the forward's: gradients would be computed from other values, and the recompute
+    fingerprint would see a difference that is no fault. Replaying a trace reuses the forward's
+    decisions; the replayed plans inject nothing and record no evidence (`silent`)."""
+
+    plans: list[tuple[Any, Any, Any]] = field(default_factory=list)
+    cursor: int | None = None  # None: recording; else the next plan to replay
+
+
+@dataclass
+class PlanTracer:
+    """Which segment trace the Linears record into or replay from (shared by all hooks of a guard)."""
+
+    current: SegmentTrace | None = None
+
+    def plans_for(self, hooks: LinearHooks, needs_dx: bool, needs_dw: bool) -> tuple[Any, Any, Any]:
+        trace = self.current
+        if trace is not None and trace.cursor is not None and trace.cursor < len(trace.plans):
+            fwd, dgrad, wgrad = trace.plans[trace.cursor]
+            trace.cursor += 1
+            # dgrad/wgrad plans of a recomputation never run: they only shape the forward kernel
+            # (by-products), exactly as in the original forward.
+            silent = (
+                None
+                if fwd is None
+                else dataclasses.replace(fwd, check=False, injection=None, fault_needs_scale=False, silent=True)
+            )
+            return silent, dgrad, wgrad
+        plans = (
+            hooks.forward.plan(),
+            hooks.dgrad.plan() if needs_dx else None,
+            hooks.wgrad.plan() if needs_dw else None,
+        )
+        if trace is not None and trace.cursor is None:
+            trace.plans.append(plans)
+        return plans
+
+
+@dataclass
 class LinearHooks:
     """The three sensors of one Linear, and what its GEMMs share across calls."""
 
@@ -51,6 +94,7 @@ class LinearHooks:
     state: triton_linear.DeviceState | None = None
     weight_stats: triton_linear.WeightStats = field(default_factory=triton_linear.WeightStats)
     counters: dict = field(default_factory=dict)  # GEMM kind → int32 counters of the Triton kernel
+    tracer: PlanTracer = field(default_factory=PlanTracer)
 
     def use_triton(self, x2d: torch.Tensor, weight: torch.Tensor) -> bool:
         if self.backend == "reference" or self.state is None:
@@ -101,11 +145,7 @@ class CheckedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, bias, hooks: LinearHooks, source: torch.Tensor):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        plans = (
-            hooks.forward.plan(),
-            hooks.dgrad.plan() if needs_dx else None,
-            hooks.wgrad.plan() if needs_dw else None,
-        )
+        plans = hooks.tracer.plans_for(hooks, needs_dx, needs_dw)
         ctx.plans, ctx.hooks, ctx.has_bias, ctx.source = plans, hooks, bias is not None, source
         ctx.x_stats = None
         with torch.autocast(x2d.device.type, enabled=False):

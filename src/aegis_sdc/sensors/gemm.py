@@ -83,6 +83,7 @@ class CallPlan:
     col_check: bool
     injection: Injection | None  # the fault injected into this call's accumulator, if any
     fault_needs_scale: bool = False  # perturb fault before the site knows its median difference
+    silent: bool = False  # a recomputation replaying a forward plan: same path, nothing recorded
 
     @property
     def fault(self) -> AccumulatorFault | None:
@@ -212,6 +213,8 @@ class GemmSensor:
 
     def _executed(self, plan: CallPlan) -> bool:
         """Record a planned fault as applied; True when the call was checked."""
+        if plan.silent:
+            return False
         if plan.injection is not None:
             self.injector.applied(plan.injection)
         if plan.check:

@@ -18,11 +18,12 @@ class Sampler:
         self._rules = per_site  # first matching fnmatch pattern wins
         self._seed = seed
 
-    def probability_for(self, site_name: str) -> float:
+    def probability_for(self, site_name: str, default: float | None = None) -> float:
+        """The first matching per-site rule's probability, else `default` (the GEMM default if None)."""
         for pattern, probability in self._rules:
             if fnmatch.fnmatchcase(site_name, pattern):
                 return probability
-        return self._default
+        return self._default if default is None else default
 
     def should_check(self, probability: float, site_id: int, step: int, call_in_step: int) -> bool:
         if probability >= 1.0:

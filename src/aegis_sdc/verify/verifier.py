@@ -1,6 +1,8 @@
 """The verifier: replays vTasks off the op's critical path and decides what happened.
 
-Triage of one vTask (payloads are replay contexts, see ops/gemm_replay.py):
+Triage of one vTask (payloads are replay contexts, see ops/gemm_replay.py). Collective checks and
+fingerprints carry payloads that decide for themselves (`payload.verdict()`: distributed/comm_check.py,
+sensors/fingerprint.py); GEMM payloads go through:
 
 1. The context is gone or changed (a referenced weight's version moved)  → NOT_VERIFIABLE.
 2. Non-finite checksums and non-finite operands in the context          → NONFINITE_INPUT.
@@ -105,13 +107,14 @@ class Verifier:
         evidence_tile = (task.evidence.tile,) if task.evidence.tile else ()
         if payload is None:
             return VerdictKind.NOT_VERIFIABLE, None, (), False, "no replay context was captured"
-        if task.evidence.channel is Channel.COMM:
-            # A collective: the mismatch is beyond the exact rounding bound of the reduction, which is
-            # proof on its own; re-reading the stored gradient says whether it is still wrong.
-            confirmed, detail = payload.verify()
-            if confirmed:
-                return VerdictKind.CONFIRMED_SDC, WrongExecution.ORIGINAL, evidence_tile, False, detail
-            return VerdictKind.FALSE_ALARM, None, (), False, detail
+        if task.evidence.channel in (Channel.COMM, Channel.FINGERPRINT):
+            # Payloads that decide for themselves: a collective (a mismatch beyond the exact rounding
+            # bound of the reduction is proof on its own) and fingerprints (a third look decides).
+            try:
+                kind, wrong, detail = payload.verdict()
+            except (RuntimeError, MemoryError) as error:
+                return VerdictKind.NOT_VERIFIABLE, None, (), False, f"verification failed: {error}"
+            return kind, wrong, evidence_tile if kind is VerdictKind.CONFIRMED_SDC else (), False, detail
         changed = payload.references_changed()
         if changed:
             return VerdictKind.NOT_VERIFIABLE, None, (), False, changed

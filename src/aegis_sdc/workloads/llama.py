@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -26,6 +27,7 @@ class LlamaConfig:
     max_seq_len: int = 256
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    activation_checkpointing: bool = False  # recompute each block in backward (torch.utils.checkpoint)
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -148,7 +150,11 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+            if self.cfg.activation_checkpointing and torch.is_grad_enabled():
+                # Looked up at call time, so a guard that checks recomputation sees the call.
+                x = torch.utils.checkpoint.checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+            else:
+                x = layer(x, self.rope_cos, self.rope_sin)
         return self.lm_head(self.norm(x))
 
 

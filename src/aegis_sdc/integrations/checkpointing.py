@@ -1,0 +1,319 @@
+"""Activation checkpointing and saved tensors, fingerprinted (the sensors are in sensors/fingerprint.py).
+
+`RecomputeChecker` replaces `torch.utils.checkpoint.checkpoint` while a guard is open (and the
+`checkpoint_fn` of `torch.distributed` CheckpointWrapper modules inside the model), so models that
+checkpoint — the workload with `activation_checkpointing=True`, torchtitan, Hugging Face models with
+gradient checkpointing — are checked without changes. Each non-reentrant checkpoint call:
+
+1. runs the segment in forward recording its GEMM plans (`ops.checked_linear.SegmentTrace`) and, if
+   sampled, fingerprints its output tensors and keeps its inputs and RNG state for a third run;
+2. when backward recomputes the segment, replays the same plans (so the recomputation takes the same
+   kernels as the forward: bit-identical when the device is healthy) and fingerprints the output
+   again. Early stop is switched off for checked segments so the recomputation reaches the output.
+
+Selective activation checkpointing (`context_fn=create_selective_checkpoint_contexts(...)`) passes
+through: ops whose outputs it saves are not recomputed, the rest are, and the output is compared.
+Reentrant checkpoints (`use_reentrant=True`) pass through unchecked.
+
+`SavedTensorChecker` installs `torch.autograd.graph.saved_tensors_hooks` around the model's forward:
+a sampled tensor is fingerprinted when it is packed and when backward unpacks it. Sites are named
+after the innermost module running when the tensor is saved (`layers.1.mlp.down_proj:saved`).
+Parameters and tensors under `saved_min_bytes` are not fingerprinted; tensors saved inside a
+checkpointed segment are not saved at all (checkpointing recomputes them) and are covered by the
+recompute check instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+from aegis_sdc.events import FingerprintKind
+from aegis_sdc.faults.injector import FaultInjector
+from aegis_sdc.ops.checked_linear import PlanTracer, SegmentTrace
+from aegis_sdc.sensors.fingerprint import FingerprintChecks, FingerprintRecord, RecomputeCapture, SavedTensorCapture
+from aegis_sdc.sensors.gemm import StepClock
+
+WRAPPED_SUFFIX = "._checkpoint_wrapped_module"  # torch.distributed CheckpointWrapper's inner module
+
+
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a segment's output (a tensor, or tensors in tuples / lists / dicts)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in output_tensors(item)]
+    if isinstance(out, dict):
+        return [t for item in out.values() for t in output_tensors(item)]
+    return []
+
+
+def _detached(value: Any) -> Any:
+    """Inputs for a third run: the same values, cut from the training graph."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad and value.is_floating_point())
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class _Segment:
+    """One checkpoint call: what its forward left for the recomputation and a third run."""
+
+    sampled: bool
+    trace: SegmentTrace = field(default_factory=SegmentTrace)
+    runs: int = 0
+    first: list = field(default_factory=list)
+    inputs: tuple[tuple, dict] | None = None
+    rng: tuple[torch.Tensor, list[torch.Tensor], list[int]] | None = None
+    autocast: tuple[str, bool, torch.dtype] | None = None
+
+
+class RecomputeChecker:
+    def __init__(
+        self, model: nn.Module, checks: FingerprintChecks, tracer: PlanTracer, injector: FaultInjector,
+        clock: StepClock,
+    ) -> None:  # fmt: skip
+        self.names = {id(module): name for name, module in model.named_modules()}
+        self.model = model
+        self.checks = checks
+        self.tracer = tracer
+        self.injector = injector
+        self.clock = clock
+        self._original = None
+        self._wrappers: list[tuple[nn.Module, Any]] = []
+
+    # -- installation ------------------------------------------------------------------------------
+    def install(self) -> None:
+        self._original = torch_checkpoint.checkpoint
+        torch_checkpoint.checkpoint = self.checkpoint
+        for module in self.model.modules():
+            fn = getattr(module, "checkpoint_fn", None)
+            if isinstance(fn, functools.partial) and fn.func is self._original:
+                self._wrappers.append((module, fn))
+                module.checkpoint_fn = functools.partial(self.checkpoint, *fn.args, **fn.keywords)
+
+    def uninstall(self) -> None:
+        if self._original is not None and torch_checkpoint.checkpoint == self.checkpoint:
+            torch_checkpoint.checkpoint = self._original
+        for module, fn in self._wrappers:
+            module.checkpoint_fn = fn
+        self._wrappers = []
+
+    def segment_name(self, function: Any) -> str:
+        target = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+        name = self.names.get(id(target)) if target is not None else None
+        if name is None:
+            name = getattr(function, "__qualname__", type(function).__name__)
+        return name.removesuffix(WRAPPED_SUFFIX) or "<root>"
+
+    # -- the checked checkpoint ------------------------------------------------------------------
+    def checkpoint(self, function, *args, use_reentrant: bool | None = None, **kwargs):
+        """`torch.utils.checkpoint.checkpoint` with the recompute check (same arguments)."""
+        original = self._original or torch_checkpoint.checkpoint
+        if use_reentrant is not False or not torch.is_grad_enabled():
+            return original(function, *args, use_reentrant=use_reentrant, **kwargs)
+        state = self.checks.site(self.segment_name(function), FingerprintKind.RECOMPUTE)
+        step = self.clock.step
+        call = state.next_call(step)
+        segment = _Segment(self.checks.sampled(state, step, call))
+
+        def run(*a, **k):
+            if segment.runs == 0:
+                if segment.sampled:
+                    segment.inputs, segment.rng, segment.autocast = (a, k), _rng_states(a), _autocast_state(a)
+                out = self._traced(segment.trace, None, function, a, k)
+                if segment.sampled:
+                    segment.first = self.checks.pool.take_many(output_tensors(out))
+            else:
+                out = self._traced(segment.trace, 0, function, a, k)
+                if segment.sampled:
+                    self._recomputed(segment, state, step, call, function, out)
+            segment.runs += 1
+            return out
+
+        with torch_checkpoint.set_checkpoint_early_stop(False):
+            return original(run, *args, use_reentrant=False, **kwargs)
+
+    def _traced(self, trace: SegmentTrace, cursor: int | None, function, args, kwargs):
+        trace.cursor = cursor
+        previous, self.tracer.current = self.tracer.current, trace
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self.tracer.current = previous
+
+    def _recomputed(self, segment: _Segment, state, step: int, call: int, function, out) -> None:
+        outs = output_tensors(out)
+        if outs:  # fault injection: a flipped bit in the recomputed activation
+            self.injector.flip_tensor_bit(state.site, step, call, outs[0], salt=0xEC)
+        second = self.checks.pool.take_many(outs)
+        record = FingerprintRecord(state, step, call, segment.first, second, None)  # type: ignore[arg-type]
+
+        def rerun() -> list[torch.Tensor]:
+            args, kwargs = _detached(segment.inputs)
+            with _restored_rng(segment.rng), _autocast(segment.autocast), torch.enable_grad():
+                return [t.detach() for t in output_tensors(self._traced(segment.trace, 0, function, args, kwargs))]
+
+        record.capture = RecomputeCapture(rerun, self.checks.pool, record)
+        self.checks.records.append(record)
+
+
+def _cuda_devices(args) -> list[int]:
+    return sorted({t.device.index for t in output_tensors(list(args)) if t.is_cuda})
+
+
+def _rng_states(args) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    devices = _cuda_devices(args)
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices], devices
+
+
+class _restored_rng:
+    """Run with the RNG state the segment's forward saw (dropout draws the same mask)."""
+
+    def __init__(self, rng) -> None:
+        self.rng = rng
+
+    def __enter__(self):
+        cpu, cuda, devices = self.rng
+        self.fork = torch.random.fork_rng(devices=devices)
+        self.fork.__enter__()
+        torch.set_rng_state(cpu)
+        for device, state in zip(devices, cuda, strict=True):
+            torch.cuda.set_rng_state(state, device)
+
+    def __exit__(self, *exc):
+        return self.fork.__exit__(*exc)
+
+
+def _autocast_state(args) -> tuple[str, bool, torch.dtype]:
+    tensors = output_tensors(list(args))
+    device_type = tensors[0].device.type if tensors else "cpu"
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _autocast(state):
+    device_type, enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+
+
+class _Saved:
+    """What the pack hook stores for a tensor of a sampled step."""
+
+    __slots__ = ("call", "first", "state", "step", "tensor")
+
+    def __init__(self, tensor, state, step, call) -> None:
+        self.tensor, self.state, self.step, self.call, self.first = tensor, state, step, call, None
+
+
+SAVED_STEP_SITE = 0x5AFE  # the key of the per-step sampling decision (any fixed number, same on all ranks)
+
+
+class SavedTensorChecker:
+    """Saved tensors of sampled steps, fingerprinted when saved and when used.
+
+    Python pack/unpack hooks cost microseconds per saved tensor (hundreds per step), so whole steps
+    are sampled (`saved_probability`, the same steps on every rank): an unsampled step runs without
+    hooks. In a sampled step every saved tensor of at least `min_bytes` is fingerprinted, in two
+    batched launches: the packed tensors when the model's forward returns, the used ones at the
+    step's end (a corruption before the use is still in memory then: the record holds the tensor).
+    """
+
+    def __init__(
+        self, model: nn.Module, checks: FingerprintChecks, injector: FaultInjector, clock: StepClock,
+        min_bytes: int, probability: float,
+    ) -> None:  # fmt: skip
+        self.model = model
+        self.checks = checks
+        self.injector = injector
+        self.clock = clock
+        self.min_bytes = min_bytes
+        self.probability = probability
+        self.stack: list[str] = []
+        self.active = False
+        self.packed: list[_Saved] = []
+        self.used: list[_Saved] = []
+        self._states: dict[str, object] = {}
+        self._handles: list[Any] = []
+        self._context: Any = None
+
+    def install(self) -> None:
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, name or "<root>")))
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        self.checks.flushers.append(self.flush)
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._end_forward()
+
+    def _enter(self, name: str, module, args) -> None:
+        # The model's own forward begins (not a block that a checkpoint recomputes in backward: its
+        # saved tensors are the checkpoint's): hook saved tensors if this step is sampled.
+        if module is self.model and not self.stack:
+            step = self.clock.step
+            self.active = torch.is_grad_enabled() and self.checks.should_check(
+                self.probability, SAVED_STEP_SITE, step, 0
+            )
+            if self.active:
+                self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._context.__enter__()
+        if self.active:
+            self.stack.append(name)
+
+    def _exit(self, module, args, output) -> None:
+        if not self.active:
+            return
+        self.stack.pop()
+        if module is self.model and not self.stack:
+            self._end_forward()
+
+    def _end_forward(self) -> None:
+        """Leave the hooks and fingerprint everything saved during the forward in one launch."""
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+        self.active = False
+        self.stack = []
+        for saved, handle in zip(self.packed, self.checks.pool.take_many([p.tensor for p in self.packed]), strict=True):
+            saved.first = handle
+        self.packed = []
+
+    def _pack(self, t: torch.Tensor):
+        if (t.requires_grad and t.is_leaf) or t.numel() * t.element_size() < self.min_bytes:
+            return t  # parameters, and tensors too small to matter
+        module = self.stack[-1] if self.stack else "<root>"
+        state = self._states.get(module)
+        if state is None:
+            state = self._states[module] = self.checks.site(module, FingerprintKind.SAVED)
+        saved = _Saved(t, state, self.clock.step, state.next_call(self.clock.step))
+        self.packed.append(saved)
+        return saved
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Saved):
+            return packed
+        self.injector.flip_tensor_bit(packed.state.site, packed.step, packed.call, packed.tensor, salt=0x5A)
+        self.used.append(packed)
+        return packed.tensor
+
+    def flush(self) -> None:
+        """At the step's end: fingerprint the tensors backward used, in one launch, and record the pairs."""
+        used = [u for u in self.used if u.first is not None]
+        self.used = []
+        for saved, second in zip(used, self.checks.pool.take_many([u.tensor for u in used]), strict=True):
+            record = FingerprintRecord(saved.state, saved.step, saved.call, [saved.first], [second], None)  # type: ignore[arg-type]
+            record.capture = SavedTensorCapture(saved.tensor, self.checks.pool, record)
+            self.checks.records.append(record)

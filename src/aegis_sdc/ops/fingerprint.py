@@ -1,0 +1,117 @@
+"""Fingerprints taken on the hot path without a host sync, read once at the step's end.
+
+`FingerprintPool.take(tensor)` returns a `Fingerprint` handle at once. On the Triton path (CUDA
+tensors; CPU under TRITON_INTERPRET=1 with `use_triton`) the kernel adds the fingerprint's two lanes
+into a row of an int32 [slots, 2] buffer that was zeroed at the start of the step; the guard reads
+every row in its one step-end transfer (`device_buffers` → `resolve`). On the reference path (CPU)
+the value is computed at once in PyTorch: there is no device to wait for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aegis_sdc.kernels import fingerprint as kfp
+
+
+@dataclass(eq=False)
+class Fingerprint:
+    """A tensor's 64-bit fingerprint; `value` is known at once (reference path) or after `resolve`.
+    `value` is None for a tensor that cannot be fingerprinted in place (not one dense block)."""
+
+    value: int | None = None
+    buffer: torch.Tensor | None = None  # int32 [slots, 2] on the device, until resolved
+    slot: int = -1
+
+    @property
+    def pending(self) -> bool:
+        return self.buffer is not None
+
+
+class FingerprintPool:
+    """Per device, int32 [slots, 2] buffers for this step's fingerprints; grown by whole buffers."""
+
+    def __init__(self, slots: int = 4096, use_triton: bool = False) -> None:
+        self.slots = slots
+        self.use_triton = use_triton  # also on CPU tensors (the interpreter: tests)
+        self._buffers: dict[torch.device, list[torch.Tensor]] = {}
+        self._used: dict[torch.device, int] = {}
+        self._pending: list[Fingerprint] = []
+
+    def _triton(self, t: torch.Tensor) -> bool:
+        return t.is_cuda or self.use_triton
+
+    def _row(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        buffers = self._buffers.setdefault(device, [])
+        used = self._used.get(device, 0)
+        if used == len(buffers) * self.slots:
+            buffers.append(torch.zeros(self.slots, 2, dtype=torch.int32, device=device))
+        self._used[device] = used + 1
+        return buffers[used // self.slots], used % self.slots
+
+    def take(self, t: torch.Tensor) -> Fingerprint:
+        """The fingerprint of `t` as it is now (the kernel is ordered on the current stream)."""
+        return self.take_many([t])[0]
+
+    def take_many(self, tensors: list[torch.Tensor]) -> list[Fingerprint]:
+        """Fingerprints of several tensors; those on one device share one launch."""
+        handles, batch = [], []
+        for t in tensors:
+            words = kfp.as_words(t) if self._triton(t) else None
+            if words is None:
+                usable = self._triton(t) is False and kfp.dense_bytes(t) is not None
+                handles.append(Fingerprint(kfp.fingerprint_reference(t) if usable else None))
+                continue
+            buffer, slot = self._row(t.device)
+            handle = Fingerprint(buffer=buffer, slot=slot)
+            handles.append(handle)
+            batch.append((words, buffer, slot))
+            self._pending.append(handle)
+        for buffer in {id(b): b for _, b, _ in batch}.values():
+            items = [(w, s) for w, b, s in batch if b is buffer]
+            if len(items) == 1:
+                words, slot = items[0]
+                kfp.launch_one(words, buffer[slot])
+            else:
+                kfp.launch_many(items, buffer)
+        return handles
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        """The rows written this step, per buffer, for the step-end transfer (in `resolve`'s order)."""
+        out = []
+        for device, buffers in self._buffers.items():
+            used = self._used.get(device, 0)
+            for i, buffer in enumerate(buffers):
+                rows = min(self.slots, used - i * self.slots)
+                if rows > 0:
+                    out.append(buffer[:rows])
+        return out
+
+    def resolve(self, host_rows: list[torch.Tensor]) -> None:
+        """Fill in the values of this step's handles from the transferred rows, then zero the device
+        rows for the next step (asynchronous)."""
+        by_buffer = {}
+        views = self.device_buffers()
+        for view, rows in zip(views, host_rows, strict=True):
+            by_buffer[view.data_ptr()] = rows.tolist()
+        for handle in self._pending:
+            rows = by_buffer[handle.buffer.data_ptr()]
+            handle.value = kfp.lanes_to_int(rows[handle.slot])
+            handle.buffer = None
+        self._pending = []
+        for view in views:
+            view.zero_()
+        self._used = {}
+
+    def now(self, t: torch.Tensor) -> int | None:
+        """The fingerprint of `t` read back at once (verification, off the hot path)."""
+        if not self._triton(t):
+            return kfp.fingerprint_reference(t) if kfp.dense_bytes(t) is not None else None
+        words = kfp.as_words(t)
+        if words is None:
+            return None
+        out = torch.zeros(2, dtype=torch.int32, device=t.device)
+        kfp.launch_one(words, out)
+        return kfp.lanes_to_int(out.cpu())

@@ -1,0 +1,180 @@
+"""Recompute and saved-tensor checks on the CPU workload with per-block activation checkpointing:
+injected bit flips are confirmed with site, step and the wrong execution; clean runs confirm nothing;
+non-deterministic segments are reported as not covered, never as SDC."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from tests.helpers import MEDIUM, guard_config, small_workload, train
+
+import aegis_sdc as aegis
+from aegis_sdc.config import FingerprintConfig
+from aegis_sdc.events import GemmKind, Site, VerdictKind, WrongExecution
+from aegis_sdc.ops.checked_linear import PlanTracer, SegmentTrace
+from aegis_sdc.sensors.gemm import CallPlan
+from aegis_sdc.workloads.llama import Llama, lm_loss
+
+CHECKPOINTED = dataclasses.replace(MEDIUM, n_layers=2, activation_checkpointing=True)
+
+
+def protected(tmp_path, *, faults=(), probability=0.5, saved=1.0, cfg=CHECKPOINTED, **kwargs):
+    # Sampling 0.5: recomputations must replay the forward's GEMM paths (checked / unchecked), or
+    # clean recomputations would differ in the last bits (see the negative control below).
+    model, data, optimizer = small_workload(cfg=cfg, batch=8, seq=128)
+    config = guard_config(
+        tmp_path, faults=tuple(faults), sampling=aegis.SamplingConfig(probability=probability),
+        fingerprints=FingerprintConfig(saved_probability=saved), **kwargs,
+    )  # fmt: skip
+    return model, data, optimizer, aegis.protect(model, optimizer=optimizer, config=config)
+
+
+def test_flipped_bits_in_a_recomputed_activation_and_in_a_saved_tensor_are_confirmed(tmp_path):
+    faults = (
+        aegis.FaultSpec(site="layers.1:recompute", model="bitflip", bit=20, steps=(21,)),
+        aegis.FaultSpec(site="lm_head:saved", model="bitflip", bit=3, steps=(24,)),
+    )
+    model, data, optimizer, guard = protected(tmp_path, faults=faults)
+    train(model, data, optimizer, 26)
+    summary = guard.close()
+    found = {(i.site.name, i.step): i.verdict for i in guard.incidents}
+    assert set(found) == {("layers.1:recompute", 21), ("lm_head:saved", 24)}, found
+    assert found["layers.1:recompute", 21].wrong_execution is WrongExecution.REPLAY  # the recomputation
+    assert "recomputation in backward differs" in found["layers.1:recompute", 21].detail
+    assert found["lm_head:saved", 24].wrong_execution is WrongExecution.ORIGINAL
+    assert "changed in memory between forward (saved) and backward (used)" in found["lm_head:saved", 24].detail
+    assert summary.confirmed == 2 and summary.false_alarms == 0 and summary.not_deterministic == 0
+    assert guard.incidents[0].identity.rank == 0
+    assert summary.coverage["recompute_sites_checked"] == ["layers.0:recompute", "layers.1:recompute"]
+    assert "lm_head:saved" in summary.coverage["saved_tensor_sites_checked"]
+
+
+@pytest.mark.slow
+def test_300_clean_checkpointed_steps_confirm_nothing(tmp_path):
+    model, data, optimizer, guard = protected(tmp_path)
+    losses = train(model, data, optimizer, 300)
+    summary = guard.close()
+    assert losses[-1] < losses[0] - 1.0
+    assert summary.confirmed == 0 and summary.not_deterministic == 0 and summary.not_verifiable == 0
+    # every step: 2 recomputed blocks + the sampled saved tensors outside them
+    assert summary.fingerprint_checks >= 300 * 3
+    assert summary.coverage["not_covered"] == {}
+
+
+def test_recomputations_replay_the_forward_plans_silently():
+    # A recomputation must take the forward's GEMM paths (checked / unchecked): on a GPU the two
+    # can differ in the last bits (Triton tile order vs cuBLAS). On the CPU fp32 both paths give the
+    # same bits, so here the tracer itself is tested; the GPU test below runs sampled GEMMs with
+    # checkpointing end to end.
+    class Sensor:
+        def __init__(self):
+            self.calls = 0
+
+        def plan(self):
+            self.calls += 1
+            if self.calls % 2:
+                return None
+            return CallPlan(Site(0, "x", GemmKind.FORWARD), 0, self.calls, True, False, object())
+
+    class Hooks:
+        forward, dgrad, wgrad = Sensor(), Sensor(), Sensor()
+
+    tracer, hooks, trace = PlanTracer(), Hooks(), SegmentTrace()
+    tracer.current = trace
+    recorded = [tracer.plans_for(hooks, True, True) for _ in range(4)]
+    trace.cursor = 0
+    replayed = [tracer.plans_for(hooks, True, True) for _ in range(4)]
+    assert hooks.forward.calls == 4  # the replay made no new plans (no sampling draws, no faults)
+    for (fwd, dgrad, wgrad), (again, dgrad2, wgrad2) in zip(recorded, replayed, strict=True):
+        assert (fwd is None) == (again is None) and dgrad is dgrad2 and wgrad is wgrad2
+        if again is not None:
+            assert again.silent and not again.check and again.injection is None
+
+
+@pytest.mark.gpu
+def test_clean_checkpointed_training_on_the_gpu_confirms_nothing(tmp_path):
+    cfg = dataclasses.replace(CHECKPOINTED, dim=512, hidden_dim=1024, n_heads=8, n_kv_heads=4)
+
+    def run(path):
+        torch.manual_seed(0)
+        model = Llama(cfg).cuda().to(torch.bfloat16)
+        _, data, _ = small_workload(cfg=cfg, batch=8, seq=128)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        config = guard_config(path, sampling=aegis.SamplingConfig(probability=0.5),
+                              fingerprints=FingerprintConfig(saved_probability=1.0))  # fmt: skip
+        guard = aegis.protect(model, optimizer=optimizer, config=config)
+        for _ in range(40):
+            x, y = (t.cuda() for t in data.batch())
+            loss = lm_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return guard.close(), guard
+
+    summary, guard = run(tmp_path)
+    fingerprint_verdicts = [i for i in guard.incidents if i.site.name.endswith((":recompute", ":saved"))]
+    assert not fingerprint_verdicts and summary.not_deterministic == 0 and summary.fingerprint_checks >= 40 * 3
+
+
+class Jitter(torch.nn.Module):
+    """A segment with a non-deterministic operator: each run adds a different tiny value (as an
+    atomic reduction's order would)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+        self.runs = 0
+
+    def forward(self, x):
+        self.runs += 1
+        return self.proj(x) + self.runs * 1e-6
+
+
+class JitterModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Jitter(64)
+        self.head = torch.nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)).sum()
+
+
+def test_a_non_deterministic_segment_is_reported_not_covered_never_as_sdc(tmp_path):
+    torch.manual_seed(0)
+    model = JitterModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    for _ in range(6):
+        loss = model(torch.randn(32, 64))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    summary = guard.close()
+    assert summary.confirmed == 0 and not guard.incidents
+    assert summary.not_deterministic >= 1
+    assert "inner:recompute" in summary.coverage["not_covered"]
+    assert "not deterministic — not covered" in summary.coverage["not_covered"]["inner:recompute"]
+
+
+def test_checkpoint_wrapper_modules_and_reentrant_checkpoints(tmp_path):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = Llama(dataclasses.replace(MEDIUM, n_layers=2))
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block)  # torchtitan-style: non-reentrant by default
+    _, data, _ = small_workload(cfg=MEDIUM, batch=2, seq=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    faults = (aegis.FaultSpec(site="layers.0:recompute", model="bitflip", bit=25, steps=(3,)),)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=faults))
+    train(model, data, optimizer, 4)
+    reentrant = torch.utils.checkpoint.checkpoint(model.layers[0], torch.randn(1, 8, 256, requires_grad=True),
+                                                  model.rope_cos, model.rope_sin, use_reentrant=True)  # fmt: skip
+    reentrant.sum().backward()  # passes through unchecked: no site, no error
+    guard.close()
+    assert [(i.site.name, i.step) for i in guard.incidents] == [("layers.0:recompute", 3)]
+    assert torch.utils.checkpoint.checkpoint.__module__ == "torch.utils.checkpoint"  # restored on close
+    assert all(i.verdict.kind is VerdictKind.CONFIRMED_SDC for i in guard.incidents)
