@@ -6,19 +6,21 @@ checks on a training step (GPU), measured in the same run.
 Kernel rows: bf16 tensors of random values from 1 MiB to 4 GiB; `triton.testing.do_bench` medians of
 the fingerprint (read bytes / time), `torch.sum` (read bytes / time) and a device-to-device copy
 ((read + written bytes) / time, as GPU.md counts it). A batch of 200 tensors of mixed sizes in one
-launch is compared with one tensor of the same total size. A short sweep of the kernel's launch
-shape at 1 GiB records why the defaults are what they are.
+launch is compared with one tensor of the same total size. A sweep of the kernel's launch shape at
+16 MiB – 1 GiB records why the defaults are what they are.
 
-Step rows: the workload at GPU scale (dim 2048, 4 layers, 2 × 2048 tokens, bf16) under a guard whose
-GEMM checks are sampled at 0 after calibration, with and without per-block activation checkpointing,
-fingerprint checks off / recompute / recompute + saved tensors (default sampling) / saved tensors at
-every step. CUDA-event medians per step after the warm-up.
+Step rows: the workload at GPU scale (dim 2048, 4 layers, bf16, 4 × 2048 tokens by default: the step
+must be device-bound for the difference to be measurable) under a guard whose GEMM checks are
+sampled at 0 after calibration, with and without per-block activation checkpointing; fingerprint
+checks off / recompute / recompute + saved tensors (default sampling) / saved tensors at every step.
+CUDA-event medians per step after the warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -47,7 +49,7 @@ def bench(fn) -> float:
 
 
 def fingerprint_fn(t: torch.Tensor):
-    words, out = kfp.as_words(t), torch.zeros(2, dtype=torch.int32, device=t.device)
+    words, out = kfp.as_words(t), torch.zeros(kfp.ROW, dtype=torch.int32, device="cuda")
     return lambda: kfp.launch_one(words, out)
 
 
@@ -81,7 +83,7 @@ def batch_row() -> dict:
     tensors = [torch.randn(s // 2, device="cuda", dtype=torch.bfloat16) for s in sizes]
     total = sum(sizes)
     single = torch.randn(total // 2, device="cuda", dtype=torch.bfloat16)
-    out = torch.zeros(len(tensors), 2, dtype=torch.int32, device="cuda")
+    out = torch.zeros(len(tensors), kfp.ROW, dtype=torch.int32, device="cuda")
     items = [(kfp.as_words(t), i) for i, t in enumerate(tensors)]
     batch_ms = bench(lambda: kfp.launch_many(items, out))
     single_ms = bench(fingerprint_fn(single))
@@ -90,25 +92,31 @@ def batch_row() -> dict:
 
 
 def sweep_rows() -> list[dict]:
-    t = torch.randn(512 * MIB, device="cuda", dtype=torch.bfloat16)  # 1 GiB
-    defaults = (kfp.BLOCK, kfp.PROGRAMS, kfp.WARPS)
+    """Launch shapes tried at several sizes: where the defaults in kernels/fingerprint.py come from."""
+    defaults, batch_default = list(kfp.SHAPES), kfp.BATCH_SHAPE
     rows = []
-    for block in (2048, 4096, 8192):
-        for programs in (264, 528, 1056):
-            for warps in (4, 8):
-                kfp.BLOCK, kfp.PROGRAMS, kfp.WARPS = block, programs, warps
-                ms = bench(fingerprint_fn(t))
-                rows.append({"block": block, "programs": programs, "warps": warps, "ms": ms,
-                             "tb_s": t.numel() * 2 / ms / 1e9})  # fmt: skip
-    kfp.BLOCK, kfp.PROGRAMS, kfp.WARPS = defaults
+    for mib in (16, 64, 256, 1024):
+        t = torch.randn(mib * MIB // 2, device="cuda", dtype=torch.bfloat16)
+        for block, programs, warps, stages in itertools.product((1024, 2048), (528, 1056, 2112), (4, 8), (1, 3)):
+            kfp.SHAPES = [(1 << 62, block, programs, warps, stages)]
+            ms = bench(fingerprint_fn(t))
+            rows.append({"mib": mib, "block": block, "programs": programs, "warps": warps, "stages": stages,
+                         "ms": ms, "tb_s": t.numel() * 2 / ms / 1e9})  # fmt: skip
+        del t
+    kfp.SHAPES = defaults
+    for block, programs, warps, stages in itertools.product((1024, 2048), (1056, 2112), (8,), (1, 3)):
+        kfp.BATCH_SHAPE = (block, programs, warps, stages)
+        rows.append({"batch": True, "block": block, "programs": programs, "warps": warps, "stages": stages,
+                     **batch_row()})  # fmt: skip
+    kfp.BATCH_SHAPE = batch_default
     return rows
 
 
-def step_ms(checkpointing: bool, fingerprints: FingerprintConfig, steps: int, warmup: int) -> float:
+def step_ms(checkpointing: bool, fingerprints: FingerprintConfig, steps: int, warmup: int, batch: int) -> float:
     cfg = dataclasses.replace(CFG, activation_checkpointing=checkpointing)
     torch.manual_seed(0)
     model = Llama(cfg).cuda().to(torch.bfloat16)
-    data = SyntheticTokens(TokenStreamConfig(vocab_size=cfg.vocab_size, seq_len=2048, batch_size=2), device="cuda")
+    data = SyntheticTokens(TokenStreamConfig(vocab_size=cfg.vocab_size, seq_len=2048, batch_size=batch), device="cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     config = aegis.GuardConfig(run_dir=tempfile.mkdtemp(), sampling=aegis.SamplingConfig(probability=0.0),
                                fingerprints=fingerprints)  # fmt: skip
@@ -133,9 +141,9 @@ def step_ms(checkpointing: bool, fingerprints: FingerprintConfig, steps: int, wa
     return statistics.median(times)
 
 
-def step_rows(steps: int, warmup: int) -> list[dict]:
-    """Every variant twice, interleaved; the faster round's median (steps vary with clocks and the
-    allocator's state more than the checks cost)."""
+def step_rows(steps: int, warmup: int, batch: int) -> list[dict]:
+    """Every variant in three interleaved rounds; the median of the rounds' medians (a variant's step
+    time moved between rounds by more than the checks cost when the loop was host-bound)."""
     off = FingerprintConfig(recompute=False, saved_tensors=False)
     variants = [
         ("checkpointed", True, off),
@@ -145,52 +153,81 @@ def step_rows(steps: int, warmup: int) -> list[dict]:
         ("plain+saved", False, FingerprintConfig(recompute=False)),
         ("plain+saved_every_step", False, FingerprintConfig(recompute=False, saved_probability=1.0)),
     ]
-    rounds = [[step_ms(c, f, steps, warmup) for _, c, f in variants] for _ in range(2)]
+    rounds = [[step_ms(c, f, steps, warmup, batch) for _, c, f in variants] for _ in range(3)]
     rows = [
-        {"variant": name, "step_ms": min(a, b), "rounds_ms": [a, b]}
-        for (name, _, _), a, b in zip(variants, *rounds, strict=True)
+        {"variant": name, "step_ms": statistics.median(times), "rounds_ms": list(times)}
+        for (name, _, _), *times in zip(variants, *rounds, strict=True)
     ]
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fingerprint.json")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=20, help="covers GEMM calibration (16 checks per site)")
-    args = parser.parse_args()
-    kernels = kernel_rows()
-    batch = batch_row()
-    print(json.dumps(batch), flush=True)
-    sweep = sweep_rows()
-    best = min(sweep, key=lambda r: r["ms"])
-    print(json.dumps({"sweep_best": best}), flush=True)
-    steps = step_rows(args.steps, args.warmup)
+def step_summary(steps: list[dict]) -> dict:
     step = {r["variant"]: r["step_ms"] for r in steps}
-    summary = {
-        "bandwidth_fraction_ge_64mb": min(r["fraction_of_copy"] for r in kernels if r["bytes"] >= 64 * MIB),
-        "batch_vs_single": batch["batch_vs_single"],
-        "fingerprint_tb_s_1gib": next(r["fingerprint_tb_s"] for r in kernels if r["bytes"] == 1024 * MIB),
-        "copy_tb_s_1gib": next(r["copy_tb_s"] for r in kernels if r["bytes"] == 1024 * MIB),
+    return {
         "recompute_check_overhead": step["checkpointed+recompute"] / step["checkpointed"] - 1,
         "recompute_and_saved_check_overhead": step["checkpointed+recompute+saved"] / step["checkpointed"] - 1,
         "saved_check_overhead": step["plain+saved"] / step["plain"] - 1,
         "saved_every_step_overhead": step["plain+saved_every_step"] / step["plain"] - 1,
     }
+
+
+def environment(args) -> dict:
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": "python " + " ".join(sys.argv),
+        "step_model": f"Llama dim {CFG.dim}, {CFG.n_layers} layers, {args.batch}×2048 tokens, bf16; GEMM "
+        "sampling 0 after calibration; defaults: saved_probability 0.05 (of steps), saved_min_bytes 64 KiB",
+    }
+
+
+def write_steps_only(args) -> None:
+    steps = step_rows(args.steps, args.warmup, args.batch)
+    result = {"env": environment(args), "rows": {"training_step": steps}, "summary": step_summary(steps)}
+    out = args.out.with_name(args.out.stem + "_step.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["summary"]), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fingerprint.json")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=20, help="covers GEMM calibration (16 checks per site)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences of 2048 tokens per step")
+    parser.add_argument("--kernels-only", action="store_true", help="kernel rows and sweeps only, no JSON")
+    parser.add_argument("--steps-only", action="store_true", help="only the training-step rows (their own JSON)")
+    args = parser.parse_args()
+    if args.steps_only:
+        write_steps_only(args)
+        return
+    kernels = kernel_rows()
+    batch = batch_row()
+    print(json.dumps(batch), flush=True)
+    sweep = sweep_rows()
+    for mib in sorted({r["mib"] for r in sweep if "mib" in r}):
+        best = min((r for r in sweep if r.get("mib") == mib), key=lambda r: r["ms"])
+        print(json.dumps({"sweep_best": best}), flush=True)
+    print(json.dumps({"sweep_best_batch": min((r for r in sweep if "batch" in r), key=lambda r: r["batch_ms"])}))
+    if args.kernels_only:
+        return
+    steps = step_rows(args.steps, args.warmup, args.batch)
+    summary = {
+        "bandwidth_fraction_ge_64mb": min(r["fraction_of_copy"] for r in kernels if r["bytes"] >= 64 * MIB),
+        "batch_vs_single": batch["batch_vs_single"],
+        "fingerprint_tb_s_1gib": next(r["fingerprint_tb_s"] for r in kernels if r["bytes"] == 1024 * MIB),
+        "copy_tb_s_1gib": next(r["copy_tb_s"] for r in kernels if r["bytes"] == 1024 * MIB),
+        **step_summary(steps),
+    }
     result = {
-        "env": {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "cuda": torch.version.cuda,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": "python " + " ".join(sys.argv),
-            "step_model": f"Llama dim {CFG.dim}, {CFG.n_layers} layers, 2×2048 tokens, bf16; GEMM sampling 0 "
-            "after calibration; defaults: saved_probability 0.05 (of steps), saved_min_bytes 64 KiB",
-        },
-        "rows": {"kernel": kernels, "batch": batch, "launch_sweep_1gib": sweep, "training_step": steps},
+        "env": environment(args),
+        "rows": {"kernel": kernels, "batch": batch, "launch_sweep": sweep, "training_step": steps},
         "summary": summary,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ MASK = kfp.MASK32
 
 
 def kernel_value(t: torch.Tensor) -> int:
-    out = torch.zeros(2, dtype=torch.int32, device=t.device)
+    out = torch.zeros(kfp.ROW, dtype=torch.int32, device=t.device)
     kfp.launch_one(kfp.as_words(t), out)
     return kfp.lanes_to_int(out.cpu())
 

@@ -5,13 +5,13 @@ non-deterministic segments are reported as not covered, never as SDC."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 from tests.helpers import MEDIUM, guard_config, small_workload, train
 
 import aegis_sdc as aegis
-from aegis_sdc.config import FingerprintConfig
 from aegis_sdc.events import GemmKind, Site, VerdictKind, WrongExecution
 from aegis_sdc.ops.checked_linear import PlanTracer, SegmentTrace
 from aegis_sdc.sensors.gemm import CallPlan
@@ -26,7 +26,7 @@ def protected(tmp_path, *, faults=(), probability=0.5, saved=1.0, cfg=CHECKPOINT
     model, data, optimizer = small_workload(cfg=cfg, batch=8, seq=128)
     config = guard_config(
         tmp_path, faults=tuple(faults), sampling=aegis.SamplingConfig(probability=probability),
-        fingerprints=FingerprintConfig(saved_probability=saved), **kwargs,
+        fingerprints=aegis.FingerprintConfig(saved_probability=saved), **kwargs,
     )  # fmt: skip
     return model, data, optimizer, aegis.protect(model, optimizer=optimizer, config=config)
 
@@ -103,7 +103,7 @@ def test_clean_checkpointed_training_on_the_gpu_confirms_nothing(tmp_path):
         _, data, _ = small_workload(cfg=cfg, batch=8, seq=128)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         config = guard_config(path, sampling=aegis.SamplingConfig(probability=0.5),
-                              fingerprints=FingerprintConfig(saved_probability=1.0))  # fmt: skip
+                              fingerprints=aegis.FingerprintConfig(saved_probability=1.0))  # fmt: skip
         guard = aegis.protect(model, optimizer=optimizer, config=config)
         for _ in range(40):
             x, y = (t.cuda() for t in data.batch())
@@ -116,6 +116,19 @@ def test_clean_checkpointed_training_on_the_gpu_confirms_nothing(tmp_path):
     summary, guard = run(tmp_path)
     fingerprint_verdicts = [i for i in guard.incidents if i.site.name.endswith((":recompute", ":saved"))]
     assert not fingerprint_verdicts and summary.not_deterministic == 0 and summary.fingerprint_checks >= 40 * 3
+
+
+def train_small(model, tmp_path, steps: int, rows: int, faults=()):
+    """A few SGD steps of a small model whose forward returns the loss; the guard and its summary."""
+    torch.manual_seed(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=tuple(faults)))
+    for _ in range(steps):
+        loss = model(torch.randn(rows, 64))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return guard, guard.close()
 
 
 class Jitter(torch.nn.Module):
@@ -144,15 +157,7 @@ class JitterModel(torch.nn.Module):
 
 def test_a_non_deterministic_segment_is_reported_not_covered_never_as_sdc(tmp_path):
     torch.manual_seed(0)
-    model = JitterModel()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
-    for _ in range(6):
-        loss = model(torch.randn(32, 64))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    summary = guard.close()
+    guard, summary = train_small(JitterModel(), tmp_path, steps=6, rows=32)
     assert summary.confirmed == 0 and not guard.incidents
     assert summary.not_deterministic >= 1
     assert "inner:recompute" in summary.coverage["not_covered"]
@@ -178,3 +183,61 @@ def test_checkpoint_wrapper_modules_and_reentrant_checkpoints(tmp_path):
     assert [(i.site.name, i.step) for i in guard.incidents] == [("layers.0:recompute", 3)]
     assert torch.utils.checkpoint.checkpoint.__module__ == "torch.utils.checkpoint"  # restored on close
     assert all(i.verdict.kind is VerdictKind.CONFIRMED_SDC for i in guard.incidents)
+
+
+class BoundCheckpointModel(torch.nn.Module):
+    """Checkpoints through a function bound before `protect`, as Hugging Face models do after
+    `gradient_checkpointing_enable()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = SelectiveBlock()
+        self._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+    def forward(self, x):
+        return self._gradient_checkpointing_func(self.block.__call__, x).sum()
+
+
+def test_a_checkpoint_function_bound_before_protect_is_checked(tmp_path):
+    torch.manual_seed(0)
+    model = BoundCheckpointModel()
+    faults = (aegis.FaultSpec(site="block:recompute", model="bitflip", bit=27, steps=(2,)),)
+    guard, _ = train_small(model, tmp_path, steps=3, rows=16, faults=faults)
+    assert [(i.site.name, i.step) for i in guard.incidents] == [("block:recompute", 2)]
+    assert model._gradient_checkpointing_func.func is torch.utils.checkpoint.checkpoint  # restored
+
+
+class SelectiveBlock(torch.nn.Module):
+    """A block checkpointed with selective activation checkpointing: matmul outputs are saved, the
+    rest (norm, activation) is recomputed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(64, 128)
+        self.down = torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.silu(self.up(torch.nn.functional.layer_norm(x, (64,)))))
+
+
+class SelectiveModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = SelectiveBlock()
+
+    def forward(self, x):
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False, context_fn=context_fn).sum()
+
+
+def test_selective_activation_checkpointing_is_checked(tmp_path):
+    torch.manual_seed(0)
+    faults = (aegis.FaultSpec(site="block:recompute", model="bitflip", bit=27, steps=(4,)),)
+    guard, summary = train_small(SelectiveModel(), tmp_path, steps=6, rows=32, faults=faults)
+    assert [(i.site.name, i.step) for i in guard.incidents] == [("block:recompute", 4)]
+    assert summary.fingerprint_checks >= 6 and summary.not_deterministic == 0

@@ -14,6 +14,7 @@ from aegis_sdc.config import (
     EXIT_CODE_SDC,
     ChecksumConfig,
     DistributedConfig,
+    FingerprintConfig,
     GuardConfig,
     ResponseConfig,
     SamplingConfig,
@@ -25,6 +26,7 @@ from aegis_sdc.events import (
     Channel,
     CommKind,
     Evidence,
+    FingerprintKind,
     GemmKind,
     Incident,
     RankIdentity,
@@ -62,6 +64,11 @@ def protect(
     DDP model's group, else the default group; for a device mesh, `mesh.get_group("dp")`). A DDP
     model's gradient all-reduces are checked automatically; for FSDP2, protect before `fully_shard`
     and call `guard.attach_fsdp(model)` after it.
+
+    While the guard is open, activation checkpointing (`torch.utils.checkpoint`, non-reentrant) is
+    checked by comparing each segment's output with its recomputation, and tensors saved for
+    backward on sampled steps are compared when saved and when used (`config.fingerprints`,
+    docs/fingerprints.md).
     """
     return Guard(
         model, optimizer=optimizer, config=config, filter=filter, start_step=start_step, process_group=process_group
@@ -76,6 +83,8 @@ __all__ = [
     "DistributedConfig",
     "Evidence",
     "FaultSpec",
+    "FingerprintConfig",
+    "FingerprintKind",
     "GemmKind",
     "Guard",
     "GuardConfig",

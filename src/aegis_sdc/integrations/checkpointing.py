@@ -1,9 +1,10 @@
 """Activation checkpointing and saved tensors, fingerprinted (the sensors are in sensors/fingerprint.py).
 
 `RecomputeChecker` replaces `torch.utils.checkpoint.checkpoint` while a guard is open (and the
-`checkpoint_fn` of `torch.distributed` CheckpointWrapper modules inside the model), so models that
-checkpoint — the workload with `activation_checkpointing=True`, torchtitan, Hugging Face models with
-gradient checkpointing — are checked without changes. Each non-reentrant checkpoint call:
+checkpoint functions that modules bound before (`checkpoint_fn` of torch.distributed CheckpointWrapper,
+`_gradient_checkpointing_func` of Hugging Face models), so models that checkpoint — the workload with
+`activation_checkpointing=True`, torchtitan, Hugging Face models with gradient checkpointing — are
+checked without changes. Each non-reentrant checkpoint call:
 
 1. runs the segment in forward recording its GEMM plans (`ops.checked_linear.SegmentTrace`) and, if
    sampled, fingerprints its output tensors and keeps its inputs and RNG state for a third run;
@@ -25,6 +26,7 @@ recompute check instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +42,9 @@ from aegis_sdc.sensors.fingerprint import FingerprintChecks, FingerprintRecord, 
 from aegis_sdc.sensors.gemm import StepClock
 
 WRAPPED_SUFFIX = "._checkpoint_wrapped_module"  # torch.distributed CheckpointWrapper's inner module
+# Where modules keep a checkpoint function bound before `protect` (a partial of the original):
+# torch.distributed's CheckpointWrapper, Hugging Face models after `gradient_checkpointing_enable()`.
+BOUND_CHECKPOINT_ATTRIBUTES = ("checkpoint_fn", "_gradient_checkpointing_func")
 
 
 def output_tensors(out: Any) -> list[torch.Tensor]:
@@ -91,23 +96,24 @@ class RecomputeChecker:
         self.injector = injector
         self.clock = clock
         self._original = None
-        self._wrappers: list[tuple[nn.Module, Any]] = []
+        self._wrappers: list[tuple[nn.Module, str, Any]] = []
 
     # -- installation ------------------------------------------------------------------------------
     def install(self) -> None:
         self._original = torch_checkpoint.checkpoint
         torch_checkpoint.checkpoint = self.checkpoint
         for module in self.model.modules():
-            fn = getattr(module, "checkpoint_fn", None)
-            if isinstance(fn, functools.partial) and fn.func is self._original:
-                self._wrappers.append((module, fn))
-                module.checkpoint_fn = functools.partial(self.checkpoint, *fn.args, **fn.keywords)
+            for attribute in BOUND_CHECKPOINT_ATTRIBUTES:
+                fn = getattr(module, attribute, None)
+                if isinstance(fn, functools.partial) and fn.func is self._original:
+                    self._wrappers.append((module, attribute, fn))
+                    setattr(module, attribute, functools.partial(self.checkpoint, *fn.args, **fn.keywords))
 
     def uninstall(self) -> None:
         if self._original is not None and torch_checkpoint.checkpoint == self.checkpoint:
             torch_checkpoint.checkpoint = self._original
-        for module, fn in self._wrappers:
-            module.checkpoint_fn = fn
+        for module, attribute, fn in self._wrappers:
+            setattr(module, attribute, fn)
         self._wrappers = []
 
     def segment_name(self, function: Any) -> str:
@@ -134,11 +140,13 @@ class RecomputeChecker:
                     segment.inputs, segment.rng, segment.autocast = (a, k), _rng_states(a), _autocast_state(a)
                 out = self._traced(segment.trace, None, function, a, k)
                 if segment.sampled:
-                    segment.first = self.checks.pool.take_many(output_tensors(out))
+                    with _outside_dispatch_modes():
+                        segment.first = self.checks.pool.take_many(output_tensors(out))
             else:
                 out = self._traced(segment.trace, 0, function, a, k)
                 if segment.sampled:
-                    self._recomputed(segment, state, step, call, function, out)
+                    with _outside_dispatch_modes():
+                        self._recomputed(segment, state, step, call, function, out)
             segment.runs += 1
             return out
 
@@ -167,6 +175,17 @@ class RecomputeChecker:
 
         record.capture = RecomputeCapture(rerun, self.checks.pool, record)
         self.checks.records.append(record)
+
+
+def _outside_dispatch_modes():
+    """Run our own ops (fingerprints, fault injection) outside the dispatch modes active around a
+    segment: selective activation checkpointing records every op of the forward and requires the
+    recomputation to issue the same ones, so our ops must not be seen by it."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:  # pragma: no cover - older torch
+        return contextlib.nullcontext()
+    return _disable_current_modes()
 
 
 def _cuda_devices(args) -> list[int]:
@@ -245,12 +264,14 @@ class SavedTensorChecker:
         self.used: list[_Saved] = []
         self._states: dict[str, object] = {}
         self._handles: list[Any] = []
+        self._step_handles: list[Any] = []
         self._context: Any = None
 
     def install(self) -> None:
-        for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, name or "<root>")))
-            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        # Only the model itself carries hooks between sampled steps: a module with forward hooks
+        # leaves PyTorch's fast call path, which costs microseconds per call on every step.
+        self._handles.append(self.model.register_forward_pre_hook(self._root_enter))
+        self._handles.append(self.model.register_forward_hook(self._root_exit, always_call=True))
         self.checks.flushers.append(self.flush)
 
     def uninstall(self) -> None:
@@ -259,32 +280,41 @@ class SavedTensorChecker:
         self._handles = []
         self._end_forward()
 
-    def _enter(self, name: str, module, args) -> None:
-        # The model's own forward begins (not a block that a checkpoint recomputes in backward: its
-        # saved tensors are the checkpoint's): hook saved tensors if this step is sampled.
-        if module is self.model and not self.stack:
-            step = self.clock.step
-            self.active = torch.is_grad_enabled() and self.checks.should_check(
-                self.probability, SAVED_STEP_SITE, step, 0
-            )
-            if self.active:
-                self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-                self._context.__enter__()
+    def _root_enter(self, module, args) -> None:
+        # The model's own forward begins: hook saved tensors if this step is sampled, and name them
+        # by the module running (hooks on the submodules for this forward only).
+        if self.active or not torch.is_grad_enabled():
+            return
+        if not self.checks.should_check(self.probability, SAVED_STEP_SITE, self.clock.step, 0):
+            return
+        self.active = True
+        self.stack = ["<root>"]
+        for name, sub in self.model.named_modules():
+            if sub is not self.model:
+                self._step_handles.append(sub.register_forward_pre_hook(functools.partial(self._enter, name)))
+                self._step_handles.append(sub.register_forward_hook(self._exit, always_call=True))
+        self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._context.__enter__()
+
+    def _root_exit(self, module, args, output) -> None:
         if self.active:
-            self.stack.append(name)
+            self._end_forward()
+
+    def _enter(self, name: str, module, args) -> None:
+        self.stack.append(name)
 
     def _exit(self, module, args, output) -> None:
-        if not self.active:
-            return
-        self.stack.pop()
-        if module is self.model and not self.stack:
-            self._end_forward()
+        if len(self.stack) > 1:
+            self.stack.pop()
 
     def _end_forward(self) -> None:
         """Leave the hooks and fingerprint everything saved during the forward in one launch."""
         if self._context is not None:
             self._context.__exit__(None, None, None)
             self._context = None
+        for handle in self._step_handles:
+            handle.remove()
+        self._step_handles = []
         self.active = False
         self.stack = []
         for saved, handle in zip(self.packed, self.checks.pool.take_many([p.tensor for p in self.packed]), strict=True):

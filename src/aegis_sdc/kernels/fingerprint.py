@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -39,12 +40,26 @@ M3 = 0x2C1B3C6D  # the second lane's multiplier: its lane is a different bijecti
 MASK32 = 0xFFFFFFFF
 _KEY, _M1, _M2, _M3 = (tl.constexpr(c) for c in (KEY, M1, M2, M3))
 
-# Launch shape, from the sweep in benchmarks/fingerprint.py on the H200 (1 GiB): 2048-word blocks,
-# 8 programs per SM, 8 warps read at 3.86 TB/s; 4096 / 4 per SM / 4 warps at 2.80 TB/s.
-BLOCK = 2048  # words per loop iteration of a program (8 KB)
-CHUNK = 1 << 15  # words per work item of the batched kernel (128 KB)
-PROGRAMS = 1056
-WARPS = 8
+# Launch shapes by tensor size, from the sweeps in benchmarks/fingerprint.py on the H200:
+# `(up to this many words, words per loop iteration, programs, warps, pipeline stages)`.
+SHAPES = [
+    (1 << 22, 2048, 528, 8, 1),  # ≤ 16 MiB: 1.44 TB/s
+    (1 << 24, 1024, 1056, 4, 3),  # ≤ 64 MiB: 2.43 TB/s
+    (1 << 62, 2048, 2112, 8, 1),  # 256 MiB: 3.29 TB/s, 1 GiB: 3.86–3.93 TB/s
+]
+CHUNK = 1 << 16  # words per work item of the batched kernel (256 KB)
+BATCH_SHAPE = (1024, 1056, 8, 1)
+# Programs add their partial lanes into one of SPREAD sub-counters of a fingerprint's row (int32
+# [SPREAD, 2]), folded on the host: thousands of atomics on one address would serialize in L2.
+SPREAD = 16
+ROW = 2 * SPREAD
+
+
+def launch_shape(n_words: int) -> tuple[int, int, int, int]:
+    for limit, *shape in SHAPES:
+        if n_words <= limit:
+            return tuple(shape)
+    return tuple(SHAPES[-1][1:])
 
 
 @triton.jit
@@ -58,13 +73,14 @@ def _mix(w, j):
 
 
 @triton.jit
-def _lanes(words_ptr, start, stop, n_words, last_mask, BLOCK: tl.constexpr):
+def _lanes(words_ptr, start, stop, n_words, last_mask, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Both lane sums of words [start, stop) of a tensor of n_words words (int64 offsets; uint32
     sums). The last word keeps only the tensor's own bytes (`last_mask`): the rest of an aligned
-    4-byte word is read (it never crosses a page) and zeroed, which is the zero padding."""
+    4-byte word is read (it never crosses a page) and zeroed, which is the zero padding. STAGES > 1
+    lets the compiler keep loads of later iterations in flight (software pipelining)."""
     lane_x = tl.zeros([BLOCK], dtype=tl.uint32)
     lane_y = tl.zeros([BLOCK], dtype=tl.uint32)
-    for offset in range(start, stop, BLOCK):
+    for offset in tl.range(start, stop, BLOCK, num_stages=STAGES):
         index = offset + tl.arange(0, BLOCK).to(tl.int64)
         inside = index < stop
         w = tl.load(words_ptr + index, mask=inside, other=0).to(tl.uint32, bitcast=True)
@@ -76,43 +92,41 @@ def _lanes(words_ptr, start, stop, n_words, last_mask, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fingerprint_one_kernel(words_ptr, out_ptr, n_words, last_mask, per_program, BLOCK: tl.constexpr):
-    """One tensor: program p sums words [p·per_program, (p+1)·per_program) and adds into out[0:2]."""
-    start = tl.program_id(0).to(tl.int64) * per_program
+def _fingerprint_one_kernel(
+    words_ptr, out_ptr, n_words, last_mask, per_program,
+    BLOCK: tl.constexpr, SPREAD: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """One tensor: program p sums words [p·per_program, (p+1)·per_program) into sub-counter p % SPREAD
+    of out (int32 [SPREAD, 2])."""
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * per_program
     stop = tl.minimum(start + per_program, n_words)
-    lane_x, lane_y = _lanes(words_ptr, start, stop, n_words, last_mask, BLOCK)
-    tl.atomic_add(out_ptr, lane_x.to(tl.int32, bitcast=True))
-    tl.atomic_add(out_ptr + 1, lane_y.to(tl.int32, bitcast=True))
+    lane_x, lane_y = _lanes(words_ptr, start, stop, n_words, last_mask, BLOCK, STAGES)
+    counter = out_ptr + 2 * (pid % SPREAD)
+    tl.atomic_add(counter, lane_x.to(tl.int32, bitcast=True))
+    tl.atomic_add(counter + 1, lane_y.to(tl.int32, bitcast=True))
 
 
 @triton.jit
 def _fingerprint_many_kernel(
-    table_ptr,  # int64 [n_tensors, 4]: (word address, word count, out slot, last-word mask)
-    first_item_ptr,  # int64 [n_tensors + 1]: each tensor's first work item (a prefix sum)
-    out_ptr,  # int32 [slots, 2]
-    n_tensors, n_items, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    table_ptr,  # int64 [n_tensors, 5]: (word address, word count, out slot, last-word mask, first item)
+    item_tensor_ptr,  # int32 [n_items]: the tensor of each work item
+    out_ptr,  # int32 [slots, SPREAD, 2]
+    n_items, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPREAD: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Many tensors in one launch: persistent programs walk work items of up to CHUNK words; a work
-    item finds its tensor by binary search over the prefix sums (the table stays one row per tensor,
-    so the host builds it in microseconds whatever the sizes)."""
+    """Many tensors in one launch: persistent programs walk work items of up to CHUNK words."""
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        low = 0  # the last tensor whose first item is <= item
-        high = n_tensors
-        for _ in tl.static_range(SEARCH_STEPS):
-            middle = (low + high) // 2
-            go_right = tl.load(first_item_ptr + middle) <= item
-            low = tl.where(go_right, middle, low)
-            high = tl.where(go_right, high, middle)
-        row = table_ptr + low * 4
+        row = table_ptr + tl.load(item_tensor_ptr + item).to(tl.int64) * 5
         words_ptr = tl.load(row).to(tl.pointer_type(tl.int32))
         n_words = tl.load(row + 1)
         slot = tl.load(row + 2)
         last_mask = tl.load(row + 3)
-        start = (item - tl.load(first_item_ptr + low)) * CHUNK
+        start = (item - tl.load(row + 4)) * CHUNK
         stop = tl.minimum(start + CHUNK, n_words)
-        lane_x, lane_y = _lanes(words_ptr, start, stop, n_words, last_mask, BLOCK)
-        tl.atomic_add(out_ptr + 2 * slot, lane_x.to(tl.int32, bitcast=True))
-        tl.atomic_add(out_ptr + 2 * slot + 1, lane_y.to(tl.int32, bitcast=True))
+        lane_x, lane_y = _lanes(words_ptr, start, stop, n_words, last_mask, BLOCK, STAGES)
+        counter = out_ptr + slot * (2 * SPREAD) + 2 * (item % SPREAD)
+        tl.atomic_add(counter, lane_x.to(tl.int32, bitcast=True))
+        tl.atomic_add(counter + 1, lane_y.to(tl.int32, bitcast=True))
 
 
 # -- views of a tensor's bits ---------------------------------------------------------------------
@@ -205,9 +219,12 @@ def fingerprint_reference(t: torch.Tensor) -> int:
     return (y << 32) | x
 
 
-def lanes_to_int(pair) -> int:
-    """An int32 [2] (x, y) pair as read back from the device → the unsigned 64-bit fingerprint."""
-    x, y = (int(v) & MASK32 for v in pair)
+def lanes_to_int(row) -> int:
+    """A fingerprint's int32 [SPREAD, 2] sub-counters (any sequence of 2·k values, x and y
+    interleaved) as read back from the device → the unsigned 64-bit fingerprint."""
+    values = [int(v) for v in (row.reshape(-1).tolist() if isinstance(row, torch.Tensor) else row)]
+    x = sum(values[0::2]) & MASK32
+    y = sum(values[1::2]) & MASK32
     return (y << 32) | x
 
 
@@ -215,31 +232,37 @@ def lanes_to_int(pair) -> int:
 
 
 def launch_one(words: Words, out: torch.Tensor) -> None:
-    """Add the lanes of one tensor's words into out (int32 [2], a row of a zeroed pool)."""
+    """Add the lanes of one tensor's words into out (int32 [SPREAD · 2], a row of a zeroed pool)."""
     n = words.n_words
-    programs = min(PROGRAMS, triton.cdiv(n, BLOCK))
-    per_program = triton.cdiv(triton.cdiv(n, programs), BLOCK) * BLOCK
+    block, programs, warps, stages = launch_shape(n)
+    programs = min(programs, triton.cdiv(n, block))
+    per_program = triton.cdiv(triton.cdiv(n, programs), block) * block
     programs = triton.cdiv(n, per_program)
-    _fingerprint_one_kernel[(programs,)](words.base, out, n, words.last_mask, per_program, BLOCK=BLOCK, num_warps=WARPS)
+    _fingerprint_one_kernel[(programs,)](
+        words.base, out, n, words.last_mask, per_program, BLOCK=block, SPREAD=SPREAD, STAGES=stages,
+        num_warps=warps,
+    )  # fmt: skip
 
 
 def launch_many(items: list[tuple[Words, int]], out: torch.Tensor) -> None:
-    """Add the lanes of several tensors' words into rows of out (int32 [slots, 2]) in one launch.
-    `items` holds (words, slot). The table travels through pinned memory without a sync."""
+    """Add the lanes of several tensors' words into rows of out (int32 [slots, SPREAD · 2]) in one
+    launch. `items` holds (words, slot). The tables travel through pinned memory without a sync; the
+    item → tensor map is built by one vectorized op, whatever the sizes."""
     if not items:
         return
-    rows, first_items, total = [], [], 0
-    for words, slot in items:
-        rows.append((words.base.data_ptr(), words.n_words, slot, words.last_mask))
-        first_items.append(total)
-        total += triton.cdiv(words.n_words, CHUNK)
-    first_items.append(total)
-    table = torch.tensor(rows, dtype=torch.int64)
-    first = torch.tensor(first_items, dtype=torch.int64)
+    # numpy for the host side: torch.repeat_interleave on small CPU tensors took milliseconds.
+    counts = np.array([triton.cdiv(w.n_words, CHUNK) for w, _ in items], dtype=np.int64)
+    first = np.cumsum(counts) - counts
+    flat = [v for (w, slot), f in zip(items, first.tolist(), strict=True)
+            for v in (w.base.data_ptr(), w.n_words, slot, w.last_mask, f)]  # fmt: skip
+    table = torch.from_numpy(np.array(flat, dtype=np.int64))
+    item_tensor = torch.from_numpy(np.repeat(np.arange(len(items), dtype=np.int32), counts))
     if out.is_cuda:
         table = table.pin_memory().to(out.device, non_blocking=True)
-        first = first.pin_memory().to(out.device, non_blocking=True)
-    search_steps = max(1, (len(items)).bit_length())
-    _fingerprint_many_kernel[(min(total, PROGRAMS),)](
-        table, first, out, len(items), total, CHUNK=CHUNK, BLOCK=BLOCK, SEARCH_STEPS=search_steps, num_warps=WARPS
-    )
+        item_tensor = item_tensor.pin_memory().to(out.device, non_blocking=True)
+    block, programs, warps, stages = BATCH_SHAPE
+    n_items = item_tensor.numel()
+    _fingerprint_many_kernel[(min(n_items, programs),)](
+        table, item_tensor, out, n_items, CHUNK=CHUNK, BLOCK=block, SPREAD=SPREAD, STAGES=stages,
+        num_warps=warps,
+    )  # fmt: skip

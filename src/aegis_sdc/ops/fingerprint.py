@@ -2,8 +2,8 @@
 
 `FingerprintPool.take(tensor)` returns a `Fingerprint` handle at once. On the Triton path (CUDA
 tensors; CPU under TRITON_INTERPRET=1 with `use_triton`) the kernel adds the fingerprint's two lanes
-into a row of an int32 [slots, 2] buffer that was zeroed at the start of the step; the guard reads
-every row in its one step-end transfer (`device_buffers` → `resolve`). On the reference path (CPU)
+into a row of an int32 [slots, SPREAD · 2] buffer that was zeroed at the start of the step; the guard reads
+every used row in its one step-end transfer (`device_buffers` → `resolve`). On the reference path (CPU)
 the value is computed at once in PyTorch: there is no device to wait for.
 """
 
@@ -22,7 +22,7 @@ class Fingerprint:
     `value` is None for a tensor that cannot be fingerprinted in place (not one dense block)."""
 
     value: int | None = None
-    buffer: torch.Tensor | None = None  # int32 [slots, 2] on the device, until resolved
+    buffer: torch.Tensor | None = None  # int32 [slots, SPREAD · 2] on the device, until resolved
     slot: int = -1
 
     @property
@@ -31,7 +31,8 @@ class Fingerprint:
 
 
 class FingerprintPool:
-    """Per device, int32 [slots, 2] buffers for this step's fingerprints; grown by whole buffers."""
+    """Per device, int32 [slots, SPREAD · 2] buffers for this step's fingerprints (a row: a fingerprint's
+    sub-counters, folded on the host); grown by whole buffers."""
 
     def __init__(self, slots: int = 4096, use_triton: bool = False) -> None:
         self.slots = slots
@@ -47,7 +48,7 @@ class FingerprintPool:
         buffers = self._buffers.setdefault(device, [])
         used = self._used.get(device, 0)
         if used == len(buffers) * self.slots:
-            buffers.append(torch.zeros(self.slots, 2, dtype=torch.int32, device=device))
+            buffers.append(torch.zeros(self.slots, kfp.ROW, dtype=torch.int32, device=device))
         self._used[device] = used + 1
         return buffers[used // self.slots], used % self.slots
 
@@ -112,6 +113,6 @@ class FingerprintPool:
         words = kfp.as_words(t)
         if words is None:
             return None
-        out = torch.zeros(2, dtype=torch.int32, device=t.device)
+        out = torch.zeros(kfp.ROW, dtype=torch.int32, device=t.device)
         kfp.launch_one(words, out)
         return kfp.lanes_to_int(out.cpu())
