@@ -247,6 +247,9 @@ class GuardConfig:
     - `run_dir`: where the per-rank SQLite store, plots and quarantine list go.
     - `max_pending_calls`: checked calls buffered before an automatic flush when no optimizer step
       comes (inference loops); one host sync per flush.
+    - `attention`: check the protected model's `F.scaled_dot_product_attention` calls (forward
+      O·1 = P·(V·1), backward 1ᵀdV = 1ᵀdO; sampled like the GEMMs; CPU tensors for now —
+      docs/attention.md).
     - `backend`: ``auto`` runs the fused Triton kernels on CUDA tensors whose shapes TMA accepts
       (rows 16-byte aligned) and the reference path elsewhere; ``reference`` always the reference
       path; ``triton`` the Triton kernels wherever they can run (on the CPU only under
@@ -260,6 +263,7 @@ class GuardConfig:
     response: ResponseConfig = field(default_factory=ResponseConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     fingerprints: FingerprintConfig = field(default_factory=FingerprintConfig)
+    attention: bool = True
     faults: tuple[FaultSpec, ...] = ()
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()

@@ -116,7 +116,10 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResult:
         console.print("fault: none (--no-fault): a clean run must confirm nothing")
 
     guard = aegis.protect(model, optimizer=optimizer, config=guard_cfg)
-    console.print(f"protected: {len(guard.sites)} sites (forward, dgrad, wgrad of {len(guard.sites) // 3} Linears)")
+    console.print(
+        f"protected: {len(guard.sites)} sites (forward, dgrad, wgrad of {len(guard.sites) // 3} Linears)"
+        + ("; attention forward and backward" if guard_cfg.attention and device.type == "cpu" else "")
+    )
 
     def on_event(event: str, payload) -> None:
         if event == "alarm":
@@ -221,6 +224,8 @@ def print_summary(console: Console, r: DemoResult) -> None:
     table.add_row("loss", f"{r.first_loss:.3f} → {r.final_loss:.3f}")
     table.add_row("protected sites", str(s.sites))
     table.add_row("checked GEMM calls", str(s.checks))
+    if s.attention_checks:
+        table.add_row("checked attention passes", str(s.attention_checks))
     table.add_row("alarms (vTasks)", str(s.alarms))
     table.add_row("false alarms", f"{s.false_alarms} ({s.false_alarm_rate:.2e} per check)")
     table.add_row("confirmed SDC", f"[bold red]{s.confirmed}[/]" if s.confirmed else "0")

@@ -38,6 +38,13 @@ class FingerprintKind(str, enum.Enum):
     SAVED = "saved"  # a tensor saved for backward: when saved against when used
 
 
+class AttentionKind(str, enum.Enum):
+    """Which pass of an attention module a site protects."""
+
+    FORWARD = "attn_fwd"  # O·1 against P·(V·1)
+    BACKWARD = "attn_bwd"  # 1ᵀdV against 1ᵀdO
+
+
 class Channel(str, enum.Enum):
     """Which checksum raised the evidence."""
 
@@ -74,7 +81,7 @@ class Site:
 
     id: int
     module: str
-    kind: GemmKind | CommKind | FingerprintKind
+    kind: GemmKind | CommKind | FingerprintKind | AttentionKind
     op: str = "linear"
 
     @property

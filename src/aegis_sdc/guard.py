@@ -37,6 +37,7 @@ from aegis_sdc.distributed.context import make_context
 from aegis_sdc.distributed.identity import discover
 from aegis_sdc.distributed.outlier import OutlierWarning, detect_outliers
 from aegis_sdc.events import (
+    AttentionKind,
     Channel,
     CommKind,
     Evidence,
@@ -50,6 +51,7 @@ from aegis_sdc.events import (
     VTask,
 )
 from aegis_sdc.faults.injector import FaultInjector
+from aegis_sdc.integrations.attention import AttentionRouter
 from aegis_sdc.integrations.checkpointing import RecomputeChecker, SavedTensorChecker
 from aegis_sdc.integrations.modules import LinearFilter, restore_linears, select_linears, swap_linears
 from aegis_sdc.kernels.reference import Tiling
@@ -58,6 +60,7 @@ from aegis_sdc.ops.fingerprint import FingerprintPool
 from aegis_sdc.ops.transfer import to_host
 from aegis_sdc.ops.triton_linear import DeviceState
 from aegis_sdc.response.policies import Responder
+from aegis_sdc.sensors.attention import AttentionRecord, AttentionSensor
 from aegis_sdc.sensors.fingerprint import FingerprintChecks
 from aegis_sdc.sensors.gemm import CallRecord, GemmSensor, StepClock
 from aegis_sdc.sensors.sampling import Sampler
@@ -98,6 +101,7 @@ class GuardSummary:
     faults_injected: int
     outlier_warnings: int = 0
     fingerprint_checks: int = 0
+    attention_checks: int = 0
     not_deterministic: int = 0
     coverage: dict[str, Any] = field(default_factory=dict)  # fingerprint sites checked / not covered
 
@@ -174,6 +178,12 @@ class Guard:
         self.extra_sites: list[Site] = []  # collective and fingerprint sites, numbered after the GEMMs
         self._new_sites: list[Site] = []
         self._setup_fingerprints(model, config)
+        self.attention_records: list[AttentionRecord] = []
+        self.attention_sensors: dict[str, AttentionSensor] = {}
+        self._false_alarm_handlers: dict[int, Callable[[Evidence], None]] = {}
+        self._router = AttentionRouter(model, self._attention_sensor, self.tracer) if config.attention else None
+        if self._router is not None:
+            self._router.install()
         self.store.write_run(self.identity.to_dict(), config.to_dict(), _versions())
         self.store.write_sites(s.site for s in self.sensors)
         self._handles = []
@@ -219,6 +229,20 @@ class Guard:
             state=self.device_state,
             tracer=self.tracer,
         )
+
+    def _attention_sensor(self, module: str) -> AttentionSensor:
+        """The sensor of an attention module, made at its first checked call (sites in call order)."""
+        sensor = self.attention_sensors.get(module)
+        if sensor is None:
+            sites = tuple(self._register_extra_site(module, kind, "attention") for kind in AttentionKind)
+            sensor = self.attention_sensors[module] = AttentionSensor(
+                module, sites, thresholds=self.config.thresholds, sampler=self.sampler, injector=self.injector,
+                clock=self.clock, records=self.attention_records,
+            )  # fmt: skip
+            for site, backward in zip(sites, (False, True), strict=True):
+                state = sensor.states[backward]
+                self._false_alarm_handlers[site.id] = lambda evidence, state=state: state.on_false_alarm(evidence.value)
+        return sensor
 
     def _setup_fingerprints(self, model: nn.Module, config: GuardConfig) -> None:
         fp = config.fingerprints
@@ -333,6 +357,7 @@ class Guard:
             faults_injected=len(self.injector.log),
             outlier_warnings=len(self.outlier_warnings),
             fingerprint_checks=c["fingerprint_checks"],
+            attention_checks=c["attention_checks"],
             not_deterministic=c[VerdictKind.NOT_DETERMINISTIC.value] + c["not_deterministic_calibration"],
             coverage=self.fingerprints.coverage(),
         )
@@ -348,6 +373,8 @@ class Guard:
                 handle.remove()
             for checker in self._checkers:
                 checker.uninstall()
+            if self._router is not None:
+                self._router.uninstall()
             restore_linears(self._swaps)
             if self.dist is not None:
                 self.dist.close()
@@ -437,6 +464,12 @@ class Guard:
                     CommCapture(record, [self.identity.rank]),
                 )  # fmt: skip
             self._comm_values[self._comm_slot[record.site.id]] = value
+        attention, self.attention_records[:] = list(self.attention_records), []
+        self.counts["attention_checks"] += len(attention)
+        for record in attention:
+            evidence = AttentionSensor.judge(record)
+            if evidence is not None:
+                alarm(evidence, record.capture)
         mismatched, not_deterministic = self.fingerprints.judge(fp_records)
         self.counts["fingerprint_checks"] += len(fp_records)
         for record in mismatched:
@@ -457,6 +490,8 @@ class Guard:
             self.counts[verdict.kind.value] += 1
             if verdict.kind is VerdictKind.FALSE_ALARM and verdict.site.id < len(self.sensors):
                 self.sensors[verdict.site.id].on_false_alarm(evidence)
+            elif verdict.kind is VerdictKind.FALSE_ALARM and verdict.site.id in self._false_alarm_handlers:
+                self._false_alarm_handlers[verdict.site.id](evidence)
             elif verdict.kind is VerdictKind.NOT_DETERMINISTIC:
                 state = self.fingerprints.sites.get(verdict.site.name)
                 if state is not None:

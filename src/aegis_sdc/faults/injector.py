@@ -23,6 +23,7 @@ class Injection:
     step: int
     call: int
     fault: AccumulatorFault
+    head: int | None = None  # attention: the (batch · heads + head) corrupted
 
 
 class FaultInjector:

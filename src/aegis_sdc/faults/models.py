@@ -28,6 +28,7 @@ import torch
 from aegis_sdc.hashing import unit_hash
 
 MODELS = ("bitflip", "perturb")
+ATTENTION_STAGES = ("qk", "softmax", "pv")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class FaultSpec:
     seed: int = 0
     affects_replay: bool = False  # a persistent fault: replays compute the same corruption
     ranks: tuple[int, ...] = ()  # the ranks whose device is faulty (empty: every rank)
+    stage: str = "pv"  # attention sites: "qk" (a score), "softmax" (a probability), "pv" (an accumulator)
+    head: int | None = None  # attention sites: the (batch · heads + head) corrupted; drawn from the seed when None
 
     def __post_init__(self) -> None:
         if not isinstance(self.site, str) or not self.site:
@@ -67,7 +70,9 @@ class FaultSpec:
             raise ValueError("FaultSpec needs `steps` or a `probability` > 0, or it never fires")
         if self.start_step < 0 or (self.stop_step is not None and self.stop_step <= self.start_step):
             raise ValueError("FaultSpec needs 0 <= start_step < stop_step")
-        for name in ("row", "col"):
+        if self.stage not in ATTENTION_STAGES:
+            raise ValueError(f"FaultSpec.stage must be one of {ATTENTION_STAGES}, got {self.stage!r}")
+        for name in ("row", "col", "head"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"FaultSpec.{name} must be >= 0, got {value}")
@@ -145,6 +150,8 @@ _FIELD_PARSERS: dict[str, Callable[[str], Any]] = {
     "seed": int,
     "affects_replay": _bool,
     "ranks": _int_list,
+    "stage": str,
+    "head": _optional_int,
 }
 
 

@@ -54,15 +54,29 @@ class SegmentTrace:
 
 @dataclass
 class PlanTracer:
-    """Which segment trace the Linears record into or replay from (shared by all hooks of a guard)."""
+    """Which segment trace the checked ops record into or replay from (shared by all hooks of a guard;
+    Linears and attention record in call order into the same trace)."""
 
     current: SegmentTrace | None = None
 
-    def plans_for(self, hooks: LinearHooks, needs_dx: bool, needs_dw: bool) -> tuple[Any, Any, Any]:
+    @property
+    def replaying(self) -> bool:
         trace = self.current
-        if trace is not None and trace.cursor is not None and trace.cursor < len(trace.plans):
-            fwd, dgrad, wgrad = trace.plans[trace.cursor]
-            trace.cursor += 1
+        return trace is not None and trace.cursor is not None and trace.cursor < len(trace.plans)
+
+    def next_replayed(self) -> Any:
+        trace = self.current
+        trace.cursor += 1
+        return trace.plans[trace.cursor - 1]
+
+    def record(self, plan: Any) -> None:
+        trace = self.current
+        if trace is not None and trace.cursor is None:
+            trace.plans.append(plan)
+
+    def plans_for(self, hooks: LinearHooks, needs_dx: bool, needs_dw: bool) -> tuple[Any, Any, Any]:
+        if self.replaying:
+            fwd, dgrad, wgrad = self.next_replayed()
             # dgrad/wgrad plans of a recomputation never run: they only shape the forward kernel
             # (by-products), exactly as in the original forward.
             silent = (
@@ -76,8 +90,7 @@ class PlanTracer:
             hooks.dgrad.plan() if needs_dx else None,
             hooks.wgrad.plan() if needs_dw else None,
         )
-        if trace is not None and trace.cursor is None:
-            trace.plans.append(plans)
+        self.record(plans)
         return plans
 
 

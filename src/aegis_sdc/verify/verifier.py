@@ -1,8 +1,8 @@
 """The verifier: replays vTasks off the op's critical path and decides what happened.
 
 Triage of one vTask (payloads are replay contexts, see ops/gemm_replay.py). Collective checks and
-fingerprints carry payloads that decide for themselves (`payload.verdict()`: distributed/comm_check.py,
-sensors/fingerprint.py); GEMM payloads go through:
+fingerprints and attention heads carry payloads that decide for themselves (`payload.verdict()`:
+distributed/comm_check.py, sensors/fingerprint.py, sensors/attention.py); GEMM payloads go through:
 
 1. The context is gone or changed (a referenced weight's version moved)  → NOT_VERIFIABLE.
 2. Non-finite checksums and non-finite operands in the context          → NONFINITE_INPUT.
@@ -107,9 +107,10 @@ class Verifier:
         evidence_tile = (task.evidence.tile,) if task.evidence.tile else ()
         if payload is None:
             return VerdictKind.NOT_VERIFIABLE, None, (), False, "no replay context was captured"
-        if task.evidence.channel in (Channel.COMM, Channel.FINGERPRINT):
+        if callable(getattr(payload, "verdict", None)):
             # Payloads that decide for themselves: a collective (a mismatch beyond the exact rounding
-            # bound of the reduction is proof on its own) and fingerprints (a third look decides).
+            # bound of the reduction is proof on its own), fingerprints (a third look decides),
+            # attention heads (two replays of the head).
             try:
                 kind, wrong, detail = payload.verdict()
             except (RuntimeError, MemoryError) as error:

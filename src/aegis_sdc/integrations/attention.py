@@ -1,0 +1,104 @@
+"""Route a protected model's `F.scaled_dot_product_attention` calls to the checked attention op.
+
+While a guard is open, `torch.nn.functional.scaled_dot_product_attention` is replaced by `sdpa`
+below. A call is checked when it comes from a module of the protected model (the calling frame's
+`self` or `module`, which names the site: `layers.1.attn:attn_fwd` / `:attn_bwd`), its arguments are
+supported (4-D q, k, v; no `attn_mask`; no dropout; `enable_gqa` or equal head counts) and its
+tensors are on the CPU — on CUDA the fused Triton kernels are not built yet, so GPU calls keep SDPA.
+Sampled calls run the checked op; the others, and every other call, keep SDPA and its fastest
+backend. Inside a checkpointed segment the recomputation replays the forward's decision, so both
+runs take the same path (bit-identical results).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aegis_sdc.ops.checked_attention import checked_attention
+from aegis_sdc.ops.checked_linear import PlanTracer
+from aegis_sdc.sensors.attention import AttentionPlan, AttentionSensor
+
+CALLER_DEPTH = 3  # frames searched for the calling module (a helper function may sit in between)
+
+
+class _PlannedHooks:
+    """The hooks the op sees for one call: the plan made before it, and the sensor."""
+
+    def __init__(self, sensor: AttentionSensor, plan: AttentionPlan, heads_per_batch: int) -> None:
+        self.sensor, self.planned, self.heads_per_batch = sensor, plan, heads_per_batch
+
+    def plan(self, heads: int) -> AttentionPlan:
+        return self.planned
+
+    def fault_for(self, plan, backward: bool):
+        return self.sensor.fault_for(plan, backward)
+
+    def observe(self, plan, backward: bool, values, capture) -> None:
+        self.sensor.observe(plan, backward, values, capture, self.heads_per_batch)
+
+
+class AttentionRouter:
+    def __init__(self, model: nn.Module, sensor_for: Callable[[str], AttentionSensor], tracer: PlanTracer) -> None:
+        self.names = {id(module): name for name, module in model.named_modules()}
+        self.sensor_for = sensor_for
+        self.tracer = tracer
+        self._original: Any = None
+
+    def install(self) -> None:
+        self._original = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self.sdpa
+
+    def uninstall(self) -> None:
+        if self._original is not None and F.scaled_dot_product_attention == self.sdpa:
+            F.scaled_dot_product_attention = self._original
+
+    def _caller(self) -> str | None:
+        frame = sys._getframe(2)
+        for _ in range(CALLER_DEPTH):
+            if frame is None:
+                return None
+            for key in ("self", "module"):
+                name = self.names.get(id(frame.f_locals.get(key)))
+                if name is not None:
+                    return name or "<root>"
+            frame = frame.f_back
+        return None
+
+    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+             **kwargs):  # fmt: skip
+        """`F.scaled_dot_product_attention`, checked for the protected model's supported calls."""
+        original = self._original
+
+        def fallback():
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa, **kwargs)  # fmt: skip
+
+        supported = (
+            attn_mask is None and dropout_p == 0.0 and not kwargs and query.dim() == 4 and key.dim() == 4
+            and not query.is_cuda and (enable_gqa or key.shape[1] == query.shape[1])
+            and torch.is_floating_point(query)
+        )  # fmt: skip
+        name = self._caller() if supported else None
+        if name is None:
+            return fallback()
+        if self.tracer.replaying:  # a checkpointed segment's recomputation: the forward's path
+            plan = self.tracer.next_replayed()
+            if plan is None:
+                return fallback()
+            sensor, plan = plan
+            silent = AttentionPlan(plan.step, plan.call, plan.heads, False, {}, silent=True)
+            return checked_attention(query, key, value, causal=is_causal, scale=scale,
+                                     hooks=_PlannedHooks(sensor, silent, query.shape[1]))  # fmt: skip
+        sensor = self.sensor_for(name)
+        plan = sensor.plan(query.shape[0] * query.shape[1], query.shape[2], key.shape[2], query.shape[3])
+        self.tracer.record(None if plan is None else (sensor, plan))
+        if plan is None:
+            return fallback()
+        return checked_attention(query, key, value, causal=is_causal, scale=scale,
+                                 hooks=_PlannedHooks(sensor, plan, query.shape[1]))  # fmt: skip

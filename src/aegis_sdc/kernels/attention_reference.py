@@ -1,0 +1,120 @@
+"""Checked attention on the reference path: plain PyTorch, fp32 accumulation, all heads batched.
+
+Heads are flattened: q [N, Sq, D], k and v [N, Sk, D] (N = batch · query heads, GQA already
+expanded), scale c, optional causal mask (queries aligned to the end of the keys, as SDPA does):
+
+    forward   S = c·q·kᵀ (fp32),  m = max_k S,  p = exp(S − m),  ℓ = Σ_k p,  P = p / ℓ,  lse = m + log ℓ,
+              O_acc = P·V (fp32); the checksum compares O_acc·1 with P·(V·1) (fp64), a checksum column
+              of V taken from the accumulator before O is rounded to the input dtype
+    backward  P is recomputed from q, k and the saved lse; dV = Pᵀ·dO (fp32). Every row of P sums to 1,
+              so 1ᵀdV = 1ᵀPᵀdO = (P·1)ᵀdO = 1ᵀdO — the backward invariant, which also checks the
+              recomputation of P (a wrong score, exponent or saved lse breaks the row sums);
+              dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(dO ⊙ O)), dQ = c·dS·k, dK = c·dSᵀ·q.
+
+Normalized differences per head (units of fp32 rounding u = 2⁻²⁴), the largest over rows / columns:
+    forward   |O_acc·1 − P·(V·1)|_q / (u·s_q),  s_q = sqrt(Σ_k P²_qk ‖V_k‖²)   (as for a GEMM)
+    backward  |1ᵀdV − 1ᵀdO|_d / (u·t_d),          t_d = Σ_q |dO_qd|
+A correct backward stays below Sq + Sk + 8: the row sums of P are 1 within (Sk + 3)·u, and the fp32
+sums of dV over the queries add at most Sq·u of Σ_qk P_qk |dO_qd| = t_d per column (`backward_bound`).
+
+The same call replays bit for bit on a healthy device: the verifier reruns the whole call (the same
+batched shapes) and compares the suspect head. Faults (`stage`): ``qk`` corrupts one score, ``softmax``
+one unnormalized probability, ``pv`` one accumulator element of O (forward) or dV (backward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from aegis_sdc.kernels.reference import U32, AccumulatorCorruption
+
+STAGES = ("qk", "softmax", "pv")
+
+
+@dataclass
+class HeadFault:
+    """A fault in one head of one call: the head, the stage and the element's corruption."""
+
+    head: int
+    stage: str
+    fault: AccumulatorCorruption
+
+
+@dataclass
+class Forward:
+    out: torch.Tensor  # [N, Sq, D] input dtype
+    lse: torch.Tensor  # [N, Sq] fp32
+    values: torch.Tensor  # [N] fp64: normalized forward differences
+
+
+@dataclass
+class Backward:
+    dq: torch.Tensor  # [N, Sq, D] fp32
+    dk: torch.Tensor  # [N, Sk, D] fp32 (per query head: GQA sums are the op's)
+    dv: torch.Tensor  # [N, Sk, D] fp32
+    values: torch.Tensor  # [N] fp64: normalized backward differences
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    s = torch.bmm(q.float(), k.float().transpose(1, 2)) * scale
+    if causal:
+        sq, sk = s.shape[1:]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(diagonal=sk - sq)
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _corrupt(batched: torch.Tensor, fault: HeadFault | None, stage: str) -> torch.Tensor:
+    if fault is None or fault.stage != stage:
+        return batched
+    i, j = fault.fault.element(*batched.shape[1:])
+    batched = batched.clone()
+    batched[fault.head, i, j] = fault.fault.corrupt(batched[fault.head, i, j])
+    return batched
+
+
+def _largest(diff: torch.Tensor) -> torch.Tensor:
+    """[N, X] → [N]: the largest difference per head; NaN (a non-finite checksum) counts as infinite."""
+    return torch.nan_to_num(diff, nan=math.inf).amax(dim=1)
+
+
+def attention_forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None) -> Forward:
+    s = _corrupt(_scores(q, k, scale, causal), fault, "qk")
+    m = s.amax(dim=-1, keepdim=True)
+    p = _corrupt(torch.exp(s - m), fault, "softmax")
+    ell = p.sum(dim=-1, keepdim=True)
+    probs = p / ell
+    v32 = v.float()
+    acc = _corrupt(torch.bmm(probs, v32), fault, "pv")  # [N, Sq, D] fp32 accumulator
+    p64, v64 = probs.double(), v32.double()
+    row_sum = acc.double().sum(dim=-1)
+    row_ref = torch.bmm(p64, v64.sum(dim=-1, keepdim=True)).squeeze(-1)
+    row_scale = torch.bmm(p64 * p64, (v64 * v64).sum(dim=-1, keepdim=True)).squeeze(-1).sqrt()
+    values = _largest((row_sum - row_ref).abs() / (U32 * row_scale).clamp_min(1e-300))
+    return Forward(acc.to(q.dtype), (m + torch.log(ell)).squeeze(-1), values)
+
+
+def attention_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None) -> Backward:
+    s = _corrupt(_scores(q, k, scale, causal), fault, "qk")
+    probs = _corrupt(torch.exp(s - lse.float()[..., None]), fault, "softmax")
+    do32 = dout.float()
+    dv = _corrupt(torch.bmm(probs.transpose(1, 2), do32), fault, "pv")  # [N, Sk, D] fp32 accumulator
+    col_dv = dv.double().sum(dim=1)  # [N, D]: 1ᵀdV
+    col_do = do32.double().sum(dim=1)  # [N, D]: 1ᵀdO
+    t = do32.double().abs().sum(dim=1)
+    values = _largest((col_dv - col_do).abs() / (U32 * t).clamp_min(1e-300))
+    dp = torch.bmm(do32, v.float().transpose(1, 2))
+    delta = (do32 * out.float()).sum(dim=-1, keepdim=True)
+    ds = probs * (dp - delta)
+    dq = torch.bmm(ds, k.float()) * scale
+    dk = torch.bmm(ds.transpose(1, 2), q.float()) * scale
+    return Backward(dq, dk, dv, values)
+
+
+def backward_bound(queries: int, keys: int) -> float:
+    """The largest normalized backward difference of a correct computation: the row sums of P are 1
+    within (Sk + 3)·u, and dV's fp32 sums over the queries add at most Sq·u of t_d per column."""
+    return queries + keys + 8.0

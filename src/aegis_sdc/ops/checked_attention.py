@@ -1,0 +1,125 @@
+"""The checked attention op: `scaled_dot_product_attention` semantics (no mask, no dropout; causal or
+not; grouped-query attention) as one autograd Function over the reference kernels.
+
+    q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H a multiple of Hkv → out [B, H, Sq, D]
+
+Heads are flattened to N = B·H (K and V expanded over each group of query heads) and computed in one
+batched pass; per head the forward and backward checksum values go to the op's hooks (the sensor of
+the calling module): the op knows nothing of thresholds or stores. Unsupported arguments raise
+`ValueError` naming the problem. On CUDA tensors the fused Triton kernels are not built yet, so
+protected models keep SDPA there (integrations/attention.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from aegis_sdc.kernels.attention_reference import HeadFault, attention_backward, attention_forward
+
+
+class AttentionHooks(Protocol):
+    def plan(self, heads: int) -> Any | None: ...
+
+    def fault_for(self, plan: Any, backward: bool) -> HeadFault | None: ...
+
+    def observe(self, plan: Any, backward: bool, values: torch.Tensor, capture: Any) -> None: ...
+
+
+def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"checked attention needs 4-D q, k, v [B, H, S, D]; got {shapes}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"checked attention: incompatible shapes {shapes}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"checked attention: query heads are not a multiple of key/value heads: {shapes}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"checked attention: q, k, v need one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """[B, H, S, D] → [B·H, S, D], with K and V repeated over each group of query heads."""
+    b, h = q.shape[:2]
+    group = h // k.shape[1]
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        expanded = t.repeat_interleave(group, dim=1) if group > 1 else t
+        return expanded.reshape(b * h, *t.shape[2:])
+
+    return q.reshape(b * h, *q.shape[2:]), flat(k), flat(v)
+
+
+class CallReplay:
+    """What a vTask keeps of one call: its inputs and what training computed from them. The verifier
+    reruns the whole call (the same batched shapes, hence the same bits) and compares one head."""
+
+    def __init__(self, head: int, q, k, v, scale, causal, out, lse, dout=None, grads=None) -> None:
+        def keep(t):
+            return None if t is None else t.detach().clone()
+
+        self.head = head
+        self.q, self.k, self.v = keep(q), keep(k), keep(v)
+        self.scale, self.causal = scale, causal
+        self.out, self.lse, self.dout = keep(out), keep(lse), keep(dout)
+        self.grads = None if grads is None else tuple(g[head].detach().clone() for g in grads)
+
+    def inputs_finite(self) -> bool:
+        tensors = [self.q[self.head], self.k[self.head], self.v[self.head]]
+        if self.dout is not None:
+            tensors.append(self.dout[self.head])
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+    def saved_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.out[self.head], self.lse[self.head]
+
+    def forward_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        again = attention_forward(self.q, self.k, self.v, self.scale, self.causal)
+        return again.out[self.head], again.lse[self.head]
+
+    def backward_outputs(self) -> tuple[torch.Tensor, ...]:
+        again = attention_backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal)
+        return again.dq[self.head], again.dk[self.head], again.dv[self.head]
+
+
+class CheckedAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks):
+        b, h = q.shape[:2]
+        plan = hooks.plan(b * h)
+        qf, kf, vf = _heads(q, k, v)
+        result = attention_forward(qf, kf, vf, scale, causal, hooks.fault_for(plan, False))
+        hooks.observe(plan, False, result.values,
+                      lambda i: CallReplay(i, qf, kf, vf, scale, causal, result.out, result.lse))  # fmt: skip
+        ctx.save_for_backward(q, k, v, result.out, result.lse)
+        ctx.causal, ctx.scale, ctx.hooks, ctx.plan = causal, scale, hooks, plan
+        return result.out.reshape(q.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        b, h = q.shape[:2]
+        qf, kf, vf = _heads(q, k, v)
+        do = dout.reshape(out.shape)
+        result = attention_backward(
+            qf, kf, vf, out, lse, do, ctx.scale, ctx.causal, ctx.hooks.fault_for(ctx.plan, True)
+        )
+        grads = (result.dq, result.dk, result.dv)
+        ctx.hooks.observe(ctx.plan, True, result.values,
+                          lambda i: CallReplay(i, qf, kf, vf, ctx.scale, ctx.causal, out, lse, do, grads))  # fmt: skip
+        hkv = k.shape[1]
+        # GQA: each key/value head's gradient is the sum over its group of query heads (fp32, fixed order)
+        dk = result.dk.reshape(b, hkv, h // hkv, *k.shape[2:]).sum(dim=2)
+        dv = result.dv.reshape(b, hkv, h // hkv, *v.shape[2:]).sum(dim=2)
+        return result.dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def checked_attention(q, k, v, *, causal: bool = False, scale: float | None = None, hooks: AttentionHooks):
+    """Attention with the forward (O·1 = P·(V·1)) and backward (1ᵀdV = 1ᵀdO) checks."""
+    validate(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return CheckedAttentionFunction.apply(q, k, v, causal, scale, hooks)

@@ -1,0 +1,167 @@
+"""Checked attention on the reference path: values and gradients against SDPA's math backend, the two
+invariants catching injected faults in every stage with (site, step, batch, head), clean training
+confirming nothing, and the routing of a protected model's SDPA calls."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tests.helpers import MEDIUM, guard_config, small_workload, train
+
+import aegis_sdc as aegis
+from aegis_sdc.kernels.attention_reference import attention_backward, attention_forward, backward_bound
+from aegis_sdc.ops.checked_attention import checked_attention
+
+
+class Quiet:
+    """Hooks that plan a check and record nothing: the op alone."""
+
+    def __init__(self):
+        self.values = {}
+
+    def plan(self, heads):
+        return object()
+
+    def fault_for(self, plan, backward):
+        return None
+
+    def observe(self, plan, backward, values, capture):
+        self.values[backward] = values
+
+
+def reference(q, k, v, causal):
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,d,heads,kv_heads,seq", [
+    (torch.float32, 64, 4, 2, 77),  # GQA; a length that is not a multiple of any block
+    (torch.float32, 128, 2, 2, 64),
+    (torch.bfloat16, 64, 4, 1, 50),
+    (torch.float16, 128, 2, 2, 33),
+])  # fmt: skip
+def test_values_and_gradients_match_sdpa(causal, dtype, d, heads, kv_heads, seq):
+    g = torch.Generator().manual_seed(seq)
+    q, k, v = (torch.randn(2, h, seq, d, generator=g).to(dtype).requires_grad_() for h in (heads, kv_heads, kv_heads))
+    dout = torch.randn(2, heads, seq, d, generator=g).to(dtype)
+    hooks = Quiet()
+    out = checked_attention(q, k, v, causal=causal, hooks=hooks)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # The fp32 math reference on the same (rounded) inputs.
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = reference(q32, k32, v32, causal)
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
+    # Outputs are convex combinations of V: fp32 rounding of S·D-term sums stays below (Sk + D)·u
+    # of max|V| (both sides), ×4 slack; a 16-bit output adds half an ulp of its format (2⁻⁸ bf16).
+    u_out = 2.0**-24 if dtype == torch.float32 else (2.0**-9 if dtype == torch.bfloat16 else 2.0**-11)
+    scale = v32.abs().max()
+    assert (out.float() - ref).abs().max() <= (4 * (seq + d) * 2.0**-24 + 2 * u_out) * scale
+    # Gradients chain three such products (dP, dS, dQ/dK/dV): allow (Sq + Sk + D)·u relative to the
+    # largest reference gradient, ×8, plus the output dtype's rounding.
+    for got, want in zip(grads, ref_grads, strict=True):
+        bound = (8 * (2 * seq + d) * 2.0**-24 + 4 * u_out) * want.abs().max()
+        assert (got.float() - want).abs().max() <= bound
+    # Clean checksums stay below the exact bounds used during calibration.
+    assert float(hooks.values[True].max()) < backward_bound(seq, seq)
+    assert bool(torch.isfinite(hooks.values[False]).all())
+
+
+def test_unsupported_arguments_raise_clear_errors():
+    q = torch.randn(1, 3, 8, 16)
+    with pytest.raises(ValueError, match="not a multiple"):
+        checked_attention(q, torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), hooks=Quiet())
+    with pytest.raises(ValueError, match="4-D"):
+        checked_attention(q[0], q[0], q[0], hooks=Quiet())
+    with pytest.raises(ValueError, match="one floating dtype"):
+        checked_attention(q, q.double(), q, hooks=Quiet())
+
+
+def test_each_invariant_sees_its_own_corruption():
+    # Direct: a corrupted PV accumulator breaks O·1 = P·(V·1); a corrupted recomputed probability
+    # breaks 1ᵀdV = 1ᵀdO, in the corrupted head only.
+    from aegis_sdc.faults.models import AccumulatorFault
+    from aegis_sdc.kernels.attention_reference import HeadFault
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(6, 40, 32, generator=g) for _ in range(4))
+    flip = AccumulatorFault("bitflip", 27, 0.0, 30, 3, 0.0, 0.0)
+    clean = attention_forward(q, k, v, 0.2, True)
+    bad = attention_forward(q, k, v, 0.2, True, HeadFault(4, "pv", flip))
+    assert int(bad.values.argmax()) == 4 and bad.values[4] > 100 * clean.values.max()
+    clean_b = attention_backward(q, k, v, clean.out, clean.lse, do, 0.2, True)
+    bad_b = attention_backward(q, k, v, clean.out, clean.lse, do, 0.2, True, HeadFault(2, "softmax", flip))
+    assert int(bad_b.values.argmax()) == 2 and bad_b.values[2] > 100 * clean_b.values.max()
+
+
+STAGE_FAULTS = [  # (site kind, stage, step); forward qk/softmax faults show up in the backward check
+    ("attn_fwd", "pv", 20, "attn_fwd", "forward"),
+    ("attn_fwd", "qk", 22, "attn_bwd", "forward"),
+    ("attn_fwd", "softmax", 24, "attn_bwd", "forward"),
+    ("attn_bwd", "qk", 26, "attn_bwd", "backward"),
+    ("attn_bwd", "softmax", 28, "attn_bwd", "backward"),
+    ("attn_bwd", "pv", 30, "attn_bwd", "backward"),
+]
+
+
+def test_faults_in_every_stage_are_confirmed_with_site_step_batch_and_head(tmp_path):
+    # Row 100, column 5 (inside the causal mask). Forward scores and probabilities: bit 30, far above
+    # the noise (it reaches the backward check through the saved lse); elsewhere bit 27. The policy
+    # skips each corrupted step, so one fault does not poison the model for the next.
+    faults = tuple(
+        aegis.FaultSpec(
+            site=f"layers.0.attn:{kind}",
+            model="bitflip",
+            bit=30 if kind == "attn_fwd" and stage != "pv" else 27,
+            stage=stage,
+            steps=(step,),
+            row=100,
+            col=5,
+        )
+        for kind, stage, step, _, _ in STAGE_FAULTS
+    )
+    model, data, optimizer = small_workload(cfg=MEDIUM, batch=4, seq=128)
+    config = guard_config(tmp_path, faults=faults, response=aegis.ResponseConfig(policy="skip-step"))
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    train(model, data, optimizer, 32)
+    summary = guard.close()
+    heads = MEDIUM.n_heads
+    injected = {inj.step: inj.head for inj in guard.injector.log if ":attn_" in inj.site}
+    found = {i.step: i for i in guard.incidents}
+    assert set(found) == {step for _, _, step, _, _ in STAGE_FAULTS} and summary.false_alarms == 0
+    for _, _, step, detected_at, wrong_pass in STAGE_FAULTS:
+        incident = found[step]
+        assert incident.site.name == f"layers.0.attn:{detected_at}" and incident.identity.rank == 0
+        batch, head = divmod(incident.evidence.index, heads)
+        assert incident.evidence.index == injected[step]
+        assert f"batch {batch}, head {head}" in incident.verdict.detail
+        assert f"training step's {wrong_pass} differs" in incident.verdict.detail
+
+
+def test_clean_training_checks_attention_and_confirms_nothing(tmp_path):
+    model, data, optimizer = small_workload(cfg=MEDIUM, batch=4, seq=128)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    losses = train(model, data, optimizer, 40)
+    summary = guard.close()
+    assert summary.attention_checks == 40 * 2  # one call per step, forward and backward
+    assert summary.confirmed == 0 and not guard.incidents
+    assert losses[-1] < losses[0]
+    assert {s.name for s in guard.extra_sites} >= {"layers.0.attn:attn_fwd", "layers.0.attn:attn_bwd"}
+
+
+def test_unsupported_calls_and_calls_outside_the_model_keep_sdpa(tmp_path):
+    model, data, optimizer = small_workload(cfg=MEDIUM, batch=2, seq=64)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    q = torch.randn(1, 2, 8, 16)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        masked = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)  # not from the model: SDPA
+        assert torch.allclose(masked, reference(q, q, q, True), atol=1e-6)
+    train(model, data, optimizer, 2)
+    summary = guard.close()
+    assert summary.attention_checks == 2 * 2
+    assert F.scaled_dot_product_attention.__module__ != "aegis_sdc.integrations.attention"  # restored
+    assert math.isfinite(summary.false_alarm_rate)
