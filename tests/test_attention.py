@@ -165,3 +165,17 @@ def test_unsupported_calls_and_calls_outside_the_model_keep_sdpa(tmp_path):
     assert summary.attention_checks == 2 * 2
     assert F.scaled_dot_product_attention.__module__ != "aegis_sdc.integrations.attention"  # restored
     assert math.isfinite(summary.false_alarm_rate)
+
+
+def test_two_guards_closed_in_either_order_leave_sdpa_and_checkpoint_working(tmp_path):
+    original_sdpa, original_checkpoint = F.scaled_dot_product_attention, torch.utils.checkpoint.checkpoint
+    first_model, data, first_opt = small_workload(cfg=MEDIUM, batch=2, seq=64)
+    second_model, _, second_opt = small_workload(cfg=MEDIUM, batch=2, seq=64)
+    first = aegis.protect(first_model, optimizer=first_opt, config=guard_config(tmp_path / "a"))
+    second = aegis.protect(second_model, optimizer=second_opt, config=guard_config(tmp_path / "b"))
+    first.close()  # closed under the second guard's patches: its own must pass calls on
+    train(second_model, data, second_opt, 2)
+    assert second.close().attention_checks == 2 * 2 and first.summary().attention_checks == 0
+    train(first_model, data, first_opt, 1)  # both closed: the originals are back
+    assert F.scaled_dot_product_attention is original_sdpa
+    assert torch.utils.checkpoint.checkpoint is original_checkpoint

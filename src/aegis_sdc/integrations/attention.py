@@ -43,11 +43,20 @@ class _PlannedHooks:
         self.sensor.observe(plan, backward, values, capture, self.heads_per_batch)
 
 
+def _live(fn):
+    """`fn`, or what it passes calls on to when it is a closed router's `sdpa` (guards closed out of
+    the order they were opened in)."""
+    while isinstance(getattr(fn, "__self__", None), AttentionRouter) and fn.__self__.closed:
+        fn = fn.__self__._original
+    return fn
+
+
 class AttentionRouter:
     def __init__(self, model: nn.Module, sensor_for: Callable[[str], AttentionSensor], tracer: PlanTracer) -> None:
         self.names = {id(module): name for name, module in model.named_modules()}
         self.sensor_for = sensor_for
         self.tracer = tracer
+        self.closed = False
         self._original: Any = None
 
     def install(self) -> None:
@@ -55,8 +64,11 @@ class AttentionRouter:
         F.scaled_dot_product_attention = self.sdpa
 
     def uninstall(self) -> None:
+        # Another guard may have installed its router over this one: it keeps calling through
+        # `self.sdpa`, which passes every call on once this router is closed.
+        self.closed = True
         if self._original is not None and F.scaled_dot_product_attention == self.sdpa:
-            F.scaled_dot_product_attention = self._original
+            F.scaled_dot_product_attention = _live(self._original)
 
     def _caller(self) -> str | None:
         frame = sys._getframe(2)
@@ -84,7 +96,7 @@ class AttentionRouter:
             and not query.is_cuda and (enable_gqa or key.shape[1] == query.shape[1])
             and torch.is_floating_point(query)
         )  # fmt: skip
-        name = self._caller() if supported else None
+        name = self._caller() if supported and not self.closed else None
         if name is None:
             return fallback()
         if self.tracer.replaying:  # a checkpointed segment's recomputation: the forward's path

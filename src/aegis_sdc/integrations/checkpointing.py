@@ -96,6 +96,7 @@ class RecomputeChecker:
         self.injector = injector
         self.clock = clock
         self._original = None
+        self.closed = False
         self._wrappers: list[tuple[nn.Module, str, Any]] = []
 
     # -- installation ------------------------------------------------------------------------------
@@ -110,8 +111,12 @@ class RecomputeChecker:
                     setattr(module, attribute, functools.partial(self.checkpoint, *fn.args, **fn.keywords))
 
     def uninstall(self) -> None:
+        self.closed = True  # a checker installed over this one keeps calling through: pass calls on
         if self._original is not None and torch_checkpoint.checkpoint == self.checkpoint:
-            torch_checkpoint.checkpoint = self._original
+            original = self._original
+            while isinstance(getattr(original, "__self__", None), RecomputeChecker) and original.__self__.closed:
+                original = original.__self__._original  # a checker closed out of order passes on
+            torch_checkpoint.checkpoint = original
         for module, attribute, fn in self._wrappers:
             setattr(module, attribute, fn)
         self._wrappers = []
@@ -127,7 +132,7 @@ class RecomputeChecker:
     def checkpoint(self, function, *args, use_reentrant: bool | None = None, **kwargs):
         """`torch.utils.checkpoint.checkpoint` with the recompute check (same arguments)."""
         original = self._original or torch_checkpoint.checkpoint
-        if use_reentrant is not False or not torch.is_grad_enabled():
+        if use_reentrant is not False or not torch.is_grad_enabled() or self.closed:
             return original(function, *args, use_reentrant=use_reentrant, **kwargs)
         state = self.checks.site(self.segment_name(function), FingerprintKind.RECOMPUTE)
         step = self.clock.step
