@@ -48,6 +48,7 @@ class Forward:
     out: torch.Tensor  # [N, Sq, D] input dtype
     lse: torch.Tensor  # [N, Sq] fp32
     values: torch.Tensor  # [N] fp64: normalized forward differences
+    raw_l2: torch.Tensor  # [N] fp64: ‖O_acc·1 − P·(V·1)‖₂ per head (the AEGIS unit of fault size)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Backward:
     dk: torch.Tensor  # [N, Sk, D] fp32 (per query head: GQA sums are the op's)
     dv: torch.Tensor  # [N, Sk, D] fp32
     values: torch.Tensor  # [N] fp64: normalized backward differences
+    raw_l2: torch.Tensor  # [N] fp64: ‖1ᵀdV − 1ᵀdO‖₂ per head
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
@@ -93,8 +95,9 @@ def attention_forward(q, k, v, scale: float, causal: bool, fault: HeadFault | No
     row_sum = acc.double().sum(dim=-1)
     row_ref = torch.bmm(p64, v64.sum(dim=-1, keepdim=True)).squeeze(-1)
     row_scale = torch.bmm(p64 * p64, (v64 * v64).sum(dim=-1, keepdim=True)).squeeze(-1).sqrt()
-    values = _largest((row_sum - row_ref).abs() / (U32 * row_scale).clamp_min(1e-300))
-    return Forward(acc.to(q.dtype), (m + torch.log(ell)).squeeze(-1), values)
+    diff = row_sum - row_ref
+    values = _largest(diff.abs() / (U32 * row_scale).clamp_min(1e-300))
+    return Forward(acc.to(q.dtype), (m + torch.log(ell)).squeeze(-1), values, diff.norm(dim=1))
 
 
 def attention_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None) -> Backward:
@@ -105,13 +108,14 @@ def attention_backward(q, k, v, out, lse, dout, scale: float, causal: bool, faul
     col_dv = dv.double().sum(dim=1)  # [N, D]: 1ᵀdV
     col_do = do32.double().sum(dim=1)  # [N, D]: 1ᵀdO
     t = do32.double().abs().sum(dim=1)
-    values = _largest((col_dv - col_do).abs() / (U32 * t).clamp_min(1e-300))
+    diff = col_dv - col_do
+    values = _largest(diff.abs() / (U32 * t).clamp_min(1e-300))
     dp = torch.bmm(do32, v.float().transpose(1, 2))
     delta = (do32 * out.float()).sum(dim=-1, keepdim=True)
     ds = probs * (dp - delta)
     dq = torch.bmm(ds, k.float()) * scale
     dk = torch.bmm(ds.transpose(1, 2), q.float()) * scale
-    return Backward(dq, dk, dv, values)
+    return Backward(dq, dk, dv, values, diff.norm(dim=1))
 
 
 def backward_bound(queries: int, keys: int) -> float:
