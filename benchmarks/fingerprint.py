@@ -31,13 +31,14 @@ from pathlib import Path
 
 import torch
 import triton
+from step_timing import timed_steps  # benchmarks/ is the script's directory
 from triton.testing import do_bench
 
 import aegis_sdc as aegis
 from aegis_sdc.config import FingerprintConfig
 from aegis_sdc.kernels import fingerprint as kfp
 from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
-from aegis_sdc.workloads.llama import Llama, LlamaConfig, lm_loss
+from aegis_sdc.workloads.llama import Llama, LlamaConfig
 
 MIB = 1 << 20
 SIZES_MIB = [1, 4, 16, 64, 256, 1024, 4096]
@@ -121,19 +122,7 @@ def step_ms(checkpointing: bool, fingerprints: FingerprintConfig, steps: int, wa
     config = aegis.GuardConfig(run_dir=tempfile.mkdtemp(), sampling=aegis.SamplingConfig(probability=0.0),
                                fingerprints=fingerprints)  # fmt: skip
     guard = aegis.protect(model, optimizer=optimizer, config=config)
-    times = []
-    for i in range(warmup + steps):
-        x, y = data.batch()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss = lm_loss(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
+    times = timed_steps(model, optimizer, (data.batch() for _ in range(warmup + steps)), warmup)
     summary = guard.close()
     assert summary.confirmed == 0 and summary.not_deterministic == 0, summary
     del model, optimizer

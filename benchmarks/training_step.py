@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 import triton
+from step_timing import timed_steps  # benchmarks/ is the script's directory
 
 import aegis_sdc as aegis
 from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
-from aegis_sdc.workloads.llama import Llama, LlamaConfig, lm_loss
+from aegis_sdc.workloads.llama import Llama, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=32768, dim=2048, n_layers=4, n_heads=16, n_kv_heads=8, hidden_dim=5632, max_seq_len=2048)
 
@@ -35,18 +36,7 @@ def step_times(protect: aegis.SamplingConfig | None, steps: int, warmup: int) ->
             model, optimizer=optimizer, config=aegis.GuardConfig(run_dir=tempfile.mkdtemp(), sampling=protect)
         )
     batches = [data.batch() for _ in range(warmup + steps)]
-    times = []
-    for i, (x, y) in enumerate(batches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss = lm_loss(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
+    times = timed_steps(model, optimizer, batches, warmup)
     summary = guard.close() if guard is not None else None
     return times, summary
 
