@@ -24,14 +24,11 @@ import itertools
 import json
 import math
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import triton
-from step_timing import timed_steps  # benchmarks/ is the script's directory
+from common import gpu_environment, timed_steps, write_result  # benchmarks/ is the script's directory
 from triton.testing import do_bench
 
 import aegis_sdc as aegis
@@ -163,25 +160,16 @@ def step_summary(steps: list[dict]) -> dict:
 
 
 def environment(args) -> dict:
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": "python " + " ".join(sys.argv),
-        "step_model": f"Llama dim {CFG.dim}, {CFG.n_layers} layers, {args.batch}×2048 tokens, bf16; GEMM "
+    return gpu_environment(
+        step_model=f"Llama dim {CFG.dim}, {CFG.n_layers} layers, {args.batch}×2048 tokens, bf16; GEMM "
         "sampling 0 after calibration; defaults: saved_probability 0.05 (of steps), saved_min_bytes 64 KiB",
-    }
+    )
 
 
 def write_steps_only(args) -> None:
     steps = step_rows(args.steps, args.warmup, args.batch)
-    result = {"env": environment(args), "rows": {"training_step": steps}, "summary": step_summary(steps)}
-    out = args.out.with_name(args.out.stem + "_step.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["summary"]), flush=True)
+    write_result(args.out.with_name(args.out.stem + "_step.json"), environment(args), {"training_step": steps},
+                 step_summary(steps))  # fmt: skip
 
 
 def main() -> None:
@@ -214,14 +202,8 @@ def main() -> None:
         "copy_tb_s_1gib": next(r["copy_tb_s"] for r in kernels if r["bytes"] == 1024 * MIB),
         **step_summary(steps),
     }
-    result = {
-        "env": environment(args),
-        "rows": {"kernel": kernels, "batch": batch, "launch_sweep": sweep, "training_step": steps},
-        "summary": summary,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(summary), flush=True)
+    rows = {"kernel": kernels, "batch": batch, "launch_sweep": sweep, "training_step": steps}
+    write_result(args.out, environment(args), rows, summary)
     assert math.isfinite(summary["bandwidth_fraction_ge_64mb"])
 
 

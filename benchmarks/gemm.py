@@ -12,14 +12,13 @@ its hot-path work (workspace allocation, reference-side reductions, evidence, th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import triton
+from common import gpu_environment, write_result
 from triton.testing import do_bench
 
 from aegis_sdc.kernels import triton_gemm as tg
@@ -175,25 +174,12 @@ def main() -> None:
         "cases": len(rows),
         "ratio": "cuBLAS time / our time, same run (1.0 = parity, > 1 faster)",
     }
-    props = torch.cuda.get_device_properties(0)
-    result = {
-        "env": {
-            "gpu": props.name,
-            "sms": props.multi_processor_count,
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "cuda": torch.version.cuda,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": " ".join(["python", *sys.argv]),
-            "config": tg.default_config().__dict__,
-            "seconds": round(time.time() - started, 1),
-        },
-        "rows": rows,
-        "summary": summary,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(summary, indent=2))
+    env = gpu_environment(
+        sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        config=tg.default_config().__dict__,
+        seconds=round(time.time() - started, 1),
+    )
+    write_result(args.out, env, rows, summary)
 
 
 if __name__ == "__main__":

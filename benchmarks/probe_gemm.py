@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
-import time
 from pathlib import Path
 
-import torch
-import triton
+from common import gpu_environment, write_result
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -65,20 +62,8 @@ def main() -> None:
                 {"n_regs": getattr(compiled, "n_regs", None), "n_spills": getattr(compiled, "n_spills", None)}
             )
     print("compiled kernels (regs, spills):", [(k["n_regs"], k["n_spills"]) for k in kernels])
-    result = {
-        "env": {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": " ".join(["python", *sys.argv]),
-            "configs": {k: dataclasses.asdict(v) for k, v in CONFIGS.items()},
-        },
-        "rows": rows,
-        "kernels": kernels,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    env = gpu_environment(configs={k: dataclasses.asdict(v) for k, v in CONFIGS.items()})
+    write_result(args.out, env, rows, kernels=kernels)
 
 
 if __name__ == "__main__":

@@ -7,16 +7,12 @@ timed unprotected and protected (every Linear, all three GEMMs checked; and samp
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import triton
-from step_timing import timed_steps  # benchmarks/ is the script's directory
+from common import gpu_environment, timed_steps, write_result  # benchmarks/ is the script's directory
 
 import aegis_sdc as aegis
 from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
@@ -56,22 +52,8 @@ def main() -> None:
         print(f"{label:14s} {statistics.median(times):8.2f} ms/step", flush=True)
     base = rows["unprotected"]["median_ms"]
     summary = {label: {"median_ms": r["median_ms"], "overhead": r["median_ms"] / base - 1} for label, r in rows.items()}
-    result = {
-        "env": {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": " ".join(["python", *sys.argv]),
-            "workload": CFG.__dict__,
-            "tokens_per_step": 4 * 2048,
-        },
-        "rows": rows,
-        "summary": summary,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(summary, indent=2))
+    env = gpu_environment(workload=CFG.__dict__, tokens_per_step=4 * 2048)
+    write_result(args.out, env, rows, summary)
 
 
 if __name__ == "__main__":

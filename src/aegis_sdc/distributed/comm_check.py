@@ -125,15 +125,9 @@ class CommCapture:
         start = first * record.chunk_size
         self.region = Tile(0, 1, start, min(start + record.chunk_size, record.numel))
 
-    def verdict(self):
-        """(kind, wrong execution, detail) for the verifier."""
-        confirmed, detail = self.verify()
-        if confirmed:
-            return VerdictKind.CONFIRMED_SDC, WrongExecution.ORIGINAL, detail
-        return VerdictKind.FALSE_ALARM, None, detail
-
-    def verify(self) -> tuple[bool, str]:
-        """(confirmed, detail). Confirmed when the mismatch is beyond the exact rounding bound."""
+    def verdict(self) -> tuple[VerdictKind, WrongExecution | None, str]:
+        """(kind, wrong execution, detail) for the verifier: confirmed when the mismatch is beyond the
+        exact rounding bound (proof on its own); re-reading the stored gradient says whether it still is."""
         r = self.record
         chunks = r.mismatched()
         detail = (
@@ -145,7 +139,9 @@ class CommCapture:
             now = r.rescan() / r.scale
             still = bool((~((now - r.expected).abs() <= r.bound) & torch.isfinite(r.expected)).any())
             detail += "; the stored gradient " + ("still differs" if still else "now agrees (a transient read error)")
-        return bool(chunks), detail
+        if chunks:
+            return VerdictKind.CONFIRMED_SDC, WrongExecution.ORIGINAL, detail
+        return VerdictKind.FALSE_ALARM, None, detail
 
 
 class CommChecks:

@@ -1,0 +1,55 @@
+"""What the GPU benchmarks share: the record they write (`gpu_environment`, `write_result`) and the
+timed training-step loop (`timed_steps`). Imported as `common` (benchmarks/ is the script's directory)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+from aegis_sdc.workloads.llama import lm_loss
+
+
+def timed_steps(model, optimizer, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], warmup: int) -> list[float]:
+    """Milliseconds per step after the first `warmup` steps."""
+    times = []
+    for i, (x, y) in enumerate(batches):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = lm_loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return times
+
+
+def gpu_environment(**extra: Any) -> dict[str, Any]:
+    """The `env` of a result: the GPU, library versions, the date and the exact command, plus `extra`."""
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(["python", *sys.argv]),
+        **extra,
+    }
+
+
+def write_result(out: Path, env: dict[str, Any], rows: Any, summary: Any = None, **more: Any) -> None:
+    """Write {env, rows, summary, ...} as JSON (the record under benchmarks/results/) and print the summary."""
+    result = {"env": env, "rows": rows, **({"summary": summary} if summary is not None else {}), **more}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    if summary is not None:
+        print(json.dumps(summary, indent=2), flush=True)
