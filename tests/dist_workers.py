@@ -58,6 +58,17 @@ def fail_during_exchange(guard, stall_at: int | None, die_at: int | None) -> Non
     guard._exchange = failing
 
 
+def corrupt_state(model, optimizer, spec: dict) -> None:
+    """Corrupt a weight or an Adam moment in place, the way a memory fault at rest would: no op
+    computes wrong, so no GEMM check can see it. `spec`: kind ("weight" | "exp_avg" | "exp_avg_sq"),
+    param (a name in `named_parameters`), factor (the element becomes factor × itself)."""
+    params = dict(model.named_parameters())
+    param = params.get(spec["param"]) or params["module." + spec["param"]]  # DDP prefixes names
+    with torch.no_grad():
+        target = param if spec["kind"] == "weight" else optimizer.state[param][spec["kind"]]
+        target.view(-1)[:8].mul_(spec.get("factor", 1e4))
+
+
 def guarded_training(rank: int, world: int, port: int, out: str, options: dict) -> None:
     """DDP or FSDP2 training of the workload, protected or not, with optional faults and stalls."""
     device = init(rank, world, port)
@@ -67,6 +78,7 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
     config = aegis.GuardConfig(
         run_dir=os.path.join(out, "run"),
         faults=faults,
+        thresholds=aegis.ThresholdConfig(**options.get("thresholds", {})),
         sampling=aegis.SamplingConfig(probability=options.get("sampling", 1.0)),
         distributed=aegis.DistributedConfig(**options.get("distributed", {})),
         response=aegis.ResponseConfig(quarantine=False),
@@ -102,11 +114,21 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
             if guard is not None:
                 guard.attach_optimizer(optimizer)
                 result["fsdp_hooked"] = guard.attach_fsdp(model)
+        verdicts: list = []
+        if guard is not None:
+            guard.subscribe(lambda event, payload: verdicts.append(payload) if event == "verdict" else None)
         if guard is not None and rank in (options.get("stall_rank"), options.get("die_rank")):
             fail_during_exchange(guard, options.get("stall_at"), options.get("die_at"))
         started = time.monotonic()
+        corruption = options.get("corrupt")
         try:
-            result["losses"] = train(model, data, optimizer, options.get("steps", 24))
+            if corruption is not None:  # train to the corruption step, corrupt this rank's state, go on
+                result["losses"] = train(model, data, optimizer, corruption["step"])
+                if rank == corruption["rank"]:
+                    corrupt_state(model, optimizer, corruption)
+                result["losses"] += train(model, data, optimizer, options.get("steps", 24) - corruption["step"])
+            else:
+                result["losses"] = train(model, data, optimizer, options.get("steps", 24))
         except aegis.RankExchangeError as error:
             result["exchange_error"] = str(error)
             result["seconds_in_step"] = time.monotonic() - started
@@ -118,6 +140,9 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
             result["warnings"] = [w.to_dict() for w in guard.outlier_warnings]
             result["injected"] = [(j.site, j.step) for j in guard.injector.log]
             result["comm_sites"] = sorted(guard.comm_sites)
+            result["verdicts"] = [
+                {"site": v.site.name, "step": v.step, "kind": v.kind.value, "detail": v.detail} for v in verdicts
+            ]
             result["checks_per_step"] = [s.step_stats.checks for s in guard.sensors]
             if "exchange_error" not in result:
                 result["summary"] = guard.close().to_dict()

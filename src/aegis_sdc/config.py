@@ -68,6 +68,12 @@ class ThresholdConfig:
     - `relax_window`: after this many consecutive clean checks the threshold halves back toward its
       base; 200 checks are a few hundred steps, long enough that one noisy batch cannot flap it.
     - `floor`: no threshold goes below one unit of fp32 rounding of the operands.
+    - `data_outlier_factor`: a false alarm on a call whose raw checksum difference ‖C·1 − A·(B·1)‖₂
+      lies more than this factor above (or below) the site's recent clean median came from unusual
+      data (a batch of extreme values), not from a noisier regime: the threshold stays where it is.
+      Raw differences scale with the operands; over a whole training run they drift by a few ×,
+      tracked by the median of the last 16 clean checks, while a batch at 10³⁰ moves them by 10²⁹.
+      100 keeps loss spikes of one or two orders of magnitude counted as regime changes.
     """
 
     calibration_checks: int = 16
@@ -75,6 +81,7 @@ class ThresholdConfig:
     backoff: float = 2.0
     relax_window: int = 200
     floor: float = 1.0
+    data_outlier_factor: float = 100.0
 
     def __post_init__(self) -> None:
         _require(self.calibration_checks >= 1, "ThresholdConfig.calibration_checks must be >= 1")
@@ -82,6 +89,7 @@ class ThresholdConfig:
         _require(math.isfinite(self.backoff) and self.backoff > 1.0, "ThresholdConfig.backoff must be > 1")
         _require(self.relax_window >= 1, "ThresholdConfig.relax_window must be >= 1")
         _require(math.isfinite(self.floor) and self.floor > 0, "ThresholdConfig.floor must be > 0")
+        _require(self.data_outlier_factor > 1, "ThresholdConfig.data_outlier_factor must be > 1")
 
 
 @dataclass(frozen=True)

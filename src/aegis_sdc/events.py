@@ -61,6 +61,10 @@ class VerdictKind(str, enum.Enum):
     NOT_VERIFIABLE = "not_verifiable"  # the replay context was gone or changed (see Verdict.detail)
     NONFINITE_INPUT = "nonfinite_input"  # NaN/Inf came from the data, not from the device
     NOT_DETERMINISTIC = "not_deterministic"  # a repeated computation differs on its own: not covered
+    # proof of a corruption in work several devices shared (a collective's result), that neither a
+    # majority of ranks nor a replay pins on one device: reported with the ranks involved, no device
+    # quarantined
+    UNATTRIBUTED = "unattributed_sdc"
 
 
 class WrongExecution(str, enum.Enum):

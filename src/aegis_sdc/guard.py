@@ -104,6 +104,8 @@ class GuardSummary:
     attention_checks: int = 0
     not_deterministic: int = 0
     coverage: dict[str, Any] = field(default_factory=dict)  # fingerprint sites checked / not covered
+    unattributed: int = 0  # proven corruptions no majority or replay pins on one device (collectives)
+    data_false_alarms: int = 0  # false alarms on unusual data: thresholds left alone
 
     @property
     def false_alarm_rate(self) -> float:
@@ -360,6 +362,8 @@ class Guard:
             attention_checks=c["attention_checks"],
             not_deterministic=c[VerdictKind.NOT_DETERMINISTIC.value] + c["not_deterministic_calibration"],
             coverage=self.fingerprints.coverage(),
+            unattributed=c[VerdictKind.UNATTRIBUTED.value],
+            data_false_alarms=sum(s.data_false_alarms for s in self.sensors),
         )
 
     def close(self) -> GuardSummary:
@@ -461,7 +465,7 @@ class Guard:
                         site=record.site, step=record.step, call=0, channel=Channel.COMM, value=value,
                         threshold=1.0, index=record.mismatched()[0], raw_l2=0.0, channels=(Channel.COMM,),
                     ),
-                    CommCapture(record, [self.identity.rank]),
+                    CommCapture(record, [self.identity.rank], self.dist.ranks if self.dist else [self.identity.rank]),
                 )  # fmt: skip
             self._comm_values[self._comm_slot[record.site.id]] = value
         attention, self.attention_records[:] = list(self.attention_records), []
@@ -516,7 +520,8 @@ class Guard:
         for warning in report.warnings:
             self._emit("warning", warning)
         self._emit("step", report)
-        self.responder.respond(report.incidents, self.optimizer)
+        unattributed = [v for v in report.verdicts if v.kind is VerdictKind.UNATTRIBUTED]
+        self.responder.respond(report.incidents, self.optimizer, unattributed)
         return report
 
     def _exchange(self, step: int, report: StepReport) -> None:
@@ -546,6 +551,7 @@ class Guard:
         for task in report.alarms:
             if isinstance(task.payload, CommCapture):
                 task.payload.ranks_failed = failed.get(self._comm_slot[task.site.id], task.payload.ranks_failed)
+                task.payload.exchanged = True
 
     def _read_step(self, records: list[CallRecord], comm_records: list) -> tuple[list[list[float]], list[float]]:
         """The one host sync of the step: every checked call's evidence, every collective's check and
@@ -584,7 +590,8 @@ class Guard:
             for kind, message, site_id in report.events:
                 store.write_event(kind, message, step=step, site_id=site_id)
             for warning in report.warnings:
-                if warning.rank == self.identity.rank:  # each rank's store keeps the warnings about itself
+                # each rank's store keeps the warnings naming it; a disagreement, its lowest rank's
+                if warning.store_rank == self.identity.rank:
                     store.write_event("rank_outlier", warning.describe(), step=warning.step,
                                       site_id=warning.site.id, data=warning.to_dict())  # fmt: skip
             store.write_step(
@@ -620,6 +627,9 @@ class Guard:
                 store.write_vtask(task)
             for verdict in report.verdicts:
                 store.write_verdict(verdict, step)
+                if verdict.kind is VerdictKind.UNATTRIBUTED:
+                    store.write_event("unattributed_sdc", f"{verdict.site.name}: {verdict.detail}",
+                                      step=verdict.step, site_id=verdict.site.id)  # fmt: skip
                 if verdict.kind is VerdictKind.NONFINITE_INPUT:
                     store.write_event(
                         "nonfinite_input",

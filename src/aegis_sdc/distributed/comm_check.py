@@ -14,6 +14,13 @@ For a reduce-scatter the same holds per output shard.
 
 Mismatches are recorded per step; the guard turns them into vTasks whose verification recomputes the
 chunk sums of the gradient as it is stored now, and exchanges which ranks failed.
+
+Which device is wrong. A failed check proves that the result this rank holds is wrong, not that this
+rank's device made it wrong: a peer that corrupts what it sends spoils the receivers' results. The
+check names this rank only when a strict majority of the group (three ranks or more) passed the
+same collective — the majority decides. Otherwise (two ranks, several failing, or the ranks' results
+not exchanged) the verdict is `unattributed_sdc`: the corruption is reported with the failing ranks,
+and no device is blamed.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from aegis_sdc.distributed.outlier import MIN_VOTERS
 from aegis_sdc.events import Site, Tile, VerdictKind, WrongExecution
 
 SUB = 64  # elements summed in fp32 before the fp64 sum of a chunk: fast, and a tight error bound
@@ -117,9 +125,11 @@ class CommCapture:
 
     references_tensors = True  # the gradient must still be the one the collective produced
 
-    def __init__(self, record: CommRecord, ranks_failed: list[int]) -> None:
+    def __init__(self, record: CommRecord, ranks_failed: list[int], group: list[int]) -> None:
         self.record = record
-        self.ranks_failed = ranks_failed
+        self.ranks_failed = ranks_failed  # until the step's exchange fills in the others: this rank
+        self.group = group  # the ranks that took part in the collective
+        self.exchanged = False  # whether ranks_failed holds every rank's result
         chunks = record.mismatched()
         first = chunks[0] if chunks else 0
         start = first * record.chunk_size
@@ -139,9 +149,18 @@ class CommCapture:
             now = r.rescan() / r.scale
             still = bool((~((now - r.expected).abs() <= r.bound) & torch.isfinite(r.expected)).any())
             detail += "; the stored gradient " + ("still differs" if still else "now agrees (a transient read error)")
-        if chunks:
-            return VerdictKind.CONFIRMED_SDC, WrongExecution.ORIGINAL, detail
-        return VerdictKind.FALSE_ALARM, None, detail
+        if not chunks:
+            return VerdictKind.FALSE_ALARM, None, detail
+        world = len(self.group)
+        passed = world - len(set(self.ranks_failed))
+        if self.exchanged and world >= MIN_VOTERS and 2 * passed > world:
+            return VerdictKind.CONFIRMED_SDC, WrongExecution.ORIGINAL, f"{detail}; {passed} of {world} ranks passed"
+        why = f"{passed} of {world} ranks passed, no majority" if self.exchanged else "results not exchanged"
+        return (
+            VerdictKind.UNATTRIBUTED,
+            None,
+            f"{detail}; no rank named ({why}): a sender can spoil a receiver's result",
+        )
 
 
 class CommChecks:

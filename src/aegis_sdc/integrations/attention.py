@@ -16,11 +16,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aegis_sdc.ops.checked_attention import checked_attention
+from aegis_sdc.ops.checked_attention import autocast_inputs, checked_attention
 from aegis_sdc.ops.checked_linear import PlanTracer
 from aegis_sdc.sensors.attention import AttentionPlan, AttentionSensor
 
@@ -91,10 +90,13 @@ class AttentionRouter:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa, **kwargs)  # fmt: skip
 
+        # What SDPA would compute on: under autocast its inputs are cast to the autocast dtype. Mixed
+        # dtypes outside autocast go to SDPA, which raises its own error.
+        q, k, v = autocast_inputs(query, key, value)
         supported = (
-            attn_mask is None and dropout_p == 0.0 and not kwargs and query.dim() == 4 and key.dim() == 4
-            and not query.is_cuda and (enable_gqa or key.shape[1] == query.shape[1])
-            and torch.is_floating_point(query)
+            attn_mask is None and dropout_p == 0.0 and not kwargs and q.dim() == 4 and k.dim() == 4
+            and not q.is_cuda and (enable_gqa or k.shape[1] == q.shape[1])
+            and q.is_floating_point() and q.dtype == k.dtype == v.dtype
         )  # fmt: skip
         name = self._caller() if supported and not self.closed else None
         if name is None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aegis_sdc.kernels.numerics import exact_fp32
 from aegis_sdc.kernels.reference import U32, AccumulatorCorruption
 
 STAGES = ("qk", "softmax", "pv")
@@ -84,6 +85,16 @@ def _largest(diff: torch.Tensor) -> torch.Tensor:
 
 
 def attention_forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None) -> Forward:
+    with exact_fp32(q.device.type):  # the same arithmetic in training and in every replay
+        return _forward(q, k, v, scale, causal, fault)
+
+
+def attention_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None) -> Backward:
+    with exact_fp32(q.device.type):
+        return _backward(q, k, v, out, lse, dout, scale, causal, fault)
+
+
+def _forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None) -> Forward:
     s = _corrupt(_scores(q, k, scale, causal), fault, "qk")
     m = s.amax(dim=-1, keepdim=True)
     p = _corrupt(torch.exp(s - m), fault, "softmax")
@@ -100,7 +111,7 @@ def attention_forward(q, k, v, scale: float, causal: bool, fault: HeadFault | No
     return Forward(acc.to(q.dtype), (m + torch.log(ell)).squeeze(-1), values, diff.norm(dim=1))
 
 
-def attention_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None) -> Backward:
+def _backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None) -> Backward:
     s = _corrupt(_scores(q, k, scale, causal), fault, "qk")
     probs = _corrupt(torch.exp(s - lse.float()[..., None]), fault, "softmax")
     do32 = dout.float()

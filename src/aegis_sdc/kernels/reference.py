@@ -38,6 +38,8 @@ from typing import Protocol
 
 import torch
 
+from aegis_sdc.kernels.numerics import exact_fp32
+
 U32 = 2.0**-24  # unit roundoff of fp32 (round to nearest)
 TINY = torch.finfo(torch.float32).tiny
 F32_MAX = torch.finfo(torch.float32).max
@@ -158,7 +160,7 @@ def checked_gemm(
     """
     m, n = a.shape[0], b.shape[1]
     f64 = torch.float64
-    with torch.autocast(a.device.type, enabled=False):
+    with exact_fp32(a.device.type):
         fault_at = fault.element(m, n) if fault is not None and m and n else None
         b_rowsum = b_row_sums(b)
         region = _compute_region(
@@ -208,7 +210,7 @@ def replay_region(
     `fault` at `fault_at` (row, column within the region) models a persistent fault that also hits
     the replay.
     """
-    with torch.autocast(a_part.device.type, enabled=False):
+    with exact_fp32(a_part.device.type):
         return _compute_region(
             a_part,
             b_part,
@@ -240,7 +242,7 @@ def exact_violations(
     dtype. A saved value outside its bound is wrong on every device: this is how a fault that
     replays identically (a stuck unit) is still confirmed, never by guesswork.
     """
-    with torch.autocast(a_part.device.type, enabled=False):
+    with exact_fp32(a_part.device.type):
         a64 = a_part.to(torch.float64)
         b64 = b_part.to(torch.float64)
         exact = a64 @ b64  # [R, C]

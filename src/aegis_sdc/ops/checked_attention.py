@@ -8,6 +8,11 @@ batched pass; per head the forward and backward checksum values go to the op's h
 the calling module): the op knows nothing of thresholds or stores. Unsupported arguments raise
 `ValueError` naming the problem. On CUDA tensors the fused Triton kernels are not built yet, so
 protected models keep SDPA there (integrations/attention.py).
+
+Precision: under autocast, q, k and v are first cast to the autocast dtype, as autocast casts
+SDPA's inputs (it is on autocast's lower-precision list). From there on the op runs with autocast
+off (`kernels.numerics.exact_fp32`) in forward, in backward and in every replay, so a replay at the
+step's end computes exactly what the training step computed.
 """
 
 from __future__ import annotations
@@ -39,6 +44,15 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"checked attention: query heads are not a multiple of key/value heads: {shapes}")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(f"checked attention: q, k, v need one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v as SDPA sees them: cast to the autocast dtype when autocast is on for their device."""
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
 
 
 def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -88,6 +102,11 @@ class CallReplay:
 class CheckedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks):
+        with torch.autocast(q.device.type, enabled=False):
+            return CheckedAttentionFunction._forward(ctx, q, k, v, causal, scale, hooks)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks):
         b, h = q.shape[:2]
         plan = hooks.plan(b * h)
         qf, kf, vf = _heads(q, k, v)
@@ -101,6 +120,11 @@ class CheckedAttentionFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return CheckedAttentionFunction._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         b, h = q.shape[:2]
         qf, kf, vf = _heads(q, k, v)
@@ -120,6 +144,7 @@ class CheckedAttentionFunction(torch.autograd.Function):
 
 def checked_attention(q, k, v, *, causal: bool = False, scale: float | None = None, hooks: AttentionHooks):
     """Attention with the forward (O·1 = P·(V·1)) and backward (1ᵀdV = 1ᵀdO) checks."""
+    q, k, v = autocast_inputs(q, k, v)
     validate(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return CheckedAttentionFunction.apply(q, k, v, causal, scale, hooks)

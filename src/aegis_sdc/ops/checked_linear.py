@@ -214,7 +214,7 @@ def _triton_forward(ctx, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     fwd_plan, _, wgrad_plan = ctx.plans
     if fwd_plan is None and wgrad_plan is None:
         return F.linear(x2d, weight, bias)
-    col_sum, col_sq, _, _ = hooks.weight_stats.get(weight, ctx.source)
+    col_sum, col_sq, _, _ = hooks.weight_stats.get(weight, ctx.source, hooks.state.epoch)
     m, n = x2d.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
     result = triton_linear.run(
@@ -251,7 +251,7 @@ def _triton_backward(ctx, dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Ten
         if dgrad_plan is None and not wgrad_cols:
             dx = dy.mm(weight)
         else:
-            _, _, row_sum, row_sq = hooks.weight_stats.get(weight, ctx.source)
+            _, _, row_sum, row_sq = hooks.weight_stats.get(weight, ctx.source, hooks.state.epoch)
             m, n = dy.shape[0], weight.shape[1]
             dx = torch.empty(m, n, dtype=x2d.dtype, device=dy.device)
             result = triton_linear.run(

@@ -2,8 +2,8 @@
 
 Reference-side vectors, and where they come from (no extra pass over a large operand):
 
-    forward  C = X·Wᵀ   c = Wᵀ·1, β = ‖W_:,k‖²   cached once per weight version (`WeightStats`)
-    dgrad    C = dY·W   c = W·1,  β = ‖W_n,:‖²   same cache
+    forward  C = X·Wᵀ   c = Wᵀ·1, β = ‖W_:,k‖²   computed once per weight and step (`WeightStats`)
+    dgrad    C = dY·W   c = W·1,  β = ‖W_n,:‖²   same
     wgrad    C = dYᵀ·X  c = X·1,  β = ‖X_m‖²     by-products of the forward kernel, which read X
                         u1 = dY·1, u2 = ‖dY_m‖²  by-products of the dgrad kernel, which read dY
 
@@ -32,6 +32,9 @@ class DeviceState:
     _stats: dict = dataclasses.field(default_factory=dict)  # device → (buffer [cap, 8] int64, next row)
     _pools: dict = dataclasses.field(default_factory=dict)  # (device, dtype) → CapturePool
     used_pools: list = dataclasses.field(default_factory=list)
+    # Counts the guard's evidence reads (step ends and flushes). Whatever is derived from a weight is
+    # valid for one epoch only: weights change between steps without a trace (see WeightStats).
+    epoch: int = 0
 
     def stats_slot(self, device: torch.device) -> torch.Tensor:
         buffer, used = self._stats.get(device, (None, 0))
@@ -61,10 +64,19 @@ class DeviceState:
         for pool in self.used_pools:
             pool.counter.zero_()
         self.used_pools.clear()
+        self.epoch += 1
 
 
 class WeightStats:
-    """c and β of a weight for forward and dgrad, recomputed only when the weight changes."""
+    """c and β of a weight for forward and dgrad, computed once per weight and step.
+
+    A weight can change between steps without any sign on the tensor: fused optimizers
+    (`AdamW(fused=True)`) and writes through `p.data` do not bump `_version`, and FSDP2 regathers
+    parameters into reused storage. A cache keyed to the tensor would then hand the next step the
+    previous step's vectors, every check would differ by the update, and the replay — which
+    recomputes them — would blame the device. So the key is the guard's step epoch (every step end
+    and flush starts a new one) together with the tensor's identity and version (a change within a
+    step, such as `load_state_dict` between micro-batches, is seen through the version)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -82,10 +94,10 @@ class WeightStats:
         row_sq = torch.linalg.vector_norm(w, dim=1, dtype=f32).square()
         return col_sum, col_sq, row_sum, row_sq
 
-    def get(self, w: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def get(self, w: torch.Tensor, source: torch.Tensor, epoch: int) -> tuple[torch.Tensor, ...]:
         # `source` is the parameter; `w` may be its autocast copy. The copy's values are a function
-        # of the parameter's, so the parameter's version (and storage) identify them.
-        key = (source.data_ptr(), source._version, w.dtype, tuple(w.shape))
+        # of the parameter's within one epoch.
+        key = (epoch, source.data_ptr(), source._version, w.dtype, tuple(w.shape))
         if key != self._key:
             self._key, self._value = key, self.compute(w)
         return self._value

@@ -173,6 +173,9 @@ class GemmSensor:
         self.col = ThresholdState(thresholds, math.inf)
         self._clean_l2: deque[float] = deque(maxlen=L2_WINDOW)
         self._calibration_checks = thresholds.calibration_checks
+        self._data_outlier_factor = thresholds.data_outlier_factor
+        self._unusual_data: set[tuple[int, int]] = set()  # (step, call) of alarms on unusual data
+        self.data_false_alarms = 0  # false alarms that left the thresholds alone (see on_false_alarm)
         self._call_step = -1
         self._calls_in_step = 0
         self.step_stats = SiteStepStats()
@@ -276,6 +279,8 @@ class GemmSensor:
             self._clean_l2.append(stats[ROW_L2])
             return None
         st.alarms += 1
+        if self._unusual(stats):
+            self._unusual_data.add((record.plan.step, record.plan.call))
         over = tuple(
             channel
             for channel, value, threshold in (
@@ -325,8 +330,25 @@ class GemmSensor:
             channels=over or (channel,),
         )
 
+    def _unusual(self, stats: list[float]) -> bool:
+        """Whether a call's data lies far outside the site's recent clean calls (raw difference
+        more than `data_outlier_factor` away from their median), or its checksums are not finite."""
+        if stats[NONFINITE] > 0 or not all(math.isfinite(stats[i]) for i in (ROW_VALUE, COL_VALUE, ROW_L2)):
+            return True
+        median = self.median_l2
+        if median is None or median <= 0.0:
+            return False
+        ratio = stats[ROW_L2] / median
+        return not (1.0 / self._data_outlier_factor <= ratio <= self._data_outlier_factor)
+
     def on_false_alarm(self, evidence: Evidence) -> None:
-        """The replay reproduced every bit: widen each threshold the call crossed."""
+        """The replay reproduced every bit: widen each threshold the call crossed — unless the call's
+        data was unusual (`_unusual`): one extreme batch says nothing about the site's noise, and
+        the threshold must not pay for it (it would stay blind for the next relax window)."""
+        if (evidence.step, evidence.call) in self._unusual_data:
+            self._unusual_data.discard((evidence.step, evidence.call))
+            self.data_false_alarms += 1
+            return
         if Channel.ROW in evidence.channels:
             self.row.on_false_alarm(evidence.value if evidence.channel is Channel.ROW else self.row.current)
         if Channel.COL in evidence.channels:

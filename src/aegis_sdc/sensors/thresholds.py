@@ -7,7 +7,11 @@ Life of a threshold:
    fault is still caught, and a value above it is never taken as a calibration sample.
 2. base = max(floor, margin × median(calibration)); current = base.
 3. A false alarm (the replay reproduced everything bit for bit) multiplies current by `backoff`.
-4. After `relax_window` consecutive clean checks, current halves back toward base.
+4. After `relax_window` consecutive clean checks, current halves back toward base (`relaxations`
+   counts these steps back).
+
+A false alarm with a non-finite value widens nothing; the GEMM sensor also spares the threshold a
+false alarm on unusual data (`ThresholdConfig.data_outlier_factor`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class ThresholdState:
         self.current: float = hard_bound
         self.clean_streak = 0
         self.false_alarms = 0
+        self.relaxations = 0
 
     @property
     def calibrating(self) -> bool:
@@ -59,9 +64,12 @@ class ThresholdState:
         if self.clean_streak >= self.config.relax_window and self.current > self.base:
             self.current = max(self.base, self.current / self.config.backoff)
             self.clean_streak = 0
+            self.relaxations += 1
 
     def on_false_alarm(self, value: float) -> None:
         self.false_alarms += 1
+        if not math.isfinite(value):
+            return  # a non-finite checksum came from the data (an overflow): it says nothing about noise
         self.clean_streak = 0
         if self.base is None:
             # A false alarm during calibration means the value was legitimate noise: keep it.

@@ -396,7 +396,8 @@ def read_incidents(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def read_warnings(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Rank-outlier warnings of all ranks (each rank stores those about itself), ordered by step."""
+    """Rank-outlier warnings of all ranks (each rank stores those naming it, a disagreement that names
+    no rank is stored by the lowest rank involved), ordered by step."""
     rows: list[dict[str, Any]] = []
     for db, conn in _each_rank(run_dir):
         for r in conn.execute(
@@ -404,9 +405,10 @@ def read_warnings(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
             " LEFT JOIN sites s ON s.id = e.site_id WHERE e.kind = 'rank_outlier' ORDER BY e.step, e.id"
         ):
             data = json.loads(r["data_json"]) if r["data_json"] else {}
+            # "rank" is None for a disagreement that names no rank ("ranks" lists those involved)
             rows.append({"step": r["step"], "site": r["site"], "rank": data.get("rank", db.rank),
-                         "message": r["message"], "data": data})  # fmt: skip
-    rows.sort(key=lambda r: (r["step"], r["rank"]))
+                         "ranks": data.get("ranks", [db.rank]), "message": r["message"], "data": data})  # fmt: skip
+    rows.sort(key=lambda r: (r["step"], min(r["ranks"]) if r["rank"] is None else r["rank"]))
     return rows
 
 

@@ -8,6 +8,12 @@ distributed/comm_check.py, sensors/fingerprint.py, sensors/attention.py); GEMM p
 2. Non-finite checksums and non-finite operands in the context          → NONFINITE_INPUT.
 3. Replay with the identical implementation and compare bit for bit (output tiles, fp32 partial
    checksums, the reference side A·(B·1) and B·1):
+   - B·1 recomputed from a referenced weight differs from the vector the step used: the weight is
+     not the one the step multiplied (it changed without bumping its version: a fused optimizer or
+     a `p.data` write before the step was verified), or the library's vector was stale. Only a
+     quantity the library derived disagrees, so the device is not blamed  → NOT_VERIFIABLE.
+     A confirmed SDC always rests on a reproduced difference in what the device computed from
+     operands known to be the step's.
    - identical: if an independent fp64 recomputation shows a saved value outside the exact fp32
      error bound, every execution is wrong (a persistent fault)        → CONFIRMED, REPRODUCIBLE;
      otherwise the alarm was numerical noise                            → FALSE_ALARM.
@@ -131,6 +137,8 @@ class Verifier:
             saved = payload.saved
             first = payload.replay()
             diff = payload.diff(saved, first)
+            if diff.derived_differs:
+                return VerdictKind.NOT_VERIFIABLE, None, (), False, _operand_changed(payload)
             if diff.equal:
                 violations = payload.exact_violations()
                 if violations:
@@ -164,3 +172,16 @@ class Verifier:
             return VerdictKind.CONFIRMED_SDC, wrong, diff.tiles or evidence_tile, no_effect, detail
         except (RuntimeError, MemoryError) as error:  # e.g. out of memory during the replay
             return VerdictKind.NOT_VERIFIABLE, None, (), False, f"replay failed: {error}"
+
+
+def _operand_changed(payload) -> str:
+    """The reason a replay whose B·1 differs from the step's cannot be judged; a second replay says
+    whether the recomputation at least agrees with itself."""
+    stable = not payload.diff(payload.replay(), payload.replay()).derived_differs
+    return (
+        "B·1 recomputed from the referenced weight differs from the vector the training step used"
+        + (" (two recomputations agree)" if stable else " (and two recomputations disagree: it is being written)")
+        + ": the weight changed after the step without bumping its version (a fused optimizer or a"
+        " write through p.data before the step was verified; call guard.step() before updating weights,"
+        " or pass the optimizer to protect()), so the replay cannot compute what the step computed"
+    )
