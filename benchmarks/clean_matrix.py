@@ -8,9 +8,11 @@ fp32 with TF32 allowed, activation checkpointing, gradient accumulation, load_st
 Llama / Qwen2 / GPT-2 / BERT from configs) plus HF Llama at the TinyLlama-1.1B widths with bf16
 weights and fused AdamW (the setup that confirmed 55 "SDCs" in 40 clean steps before).
 
-Each cell runs clean twice — default thresholds (the product) and a hair trigger (margin 1, relax
-window 10: half the checks alarm and are replayed) — and once with a bitflip (bit 27) at step
-`--fault-step`, default thresholds. One process, one GPU: data-parallel cells need several GPUs.
+Each cell runs clean twice — default thresholds (the product, `--steps`) and a hair trigger (margin
+1, relax window 10: half the checks alarm and are replayed; `--hair-trigger-steps`) — and once with
+a bitflip (bit 27) at step `--fault-step`, default thresholds. One process, one GPU: data-parallel
+cells need several GPUs. Results are written after every cell; `--resume FILE` keeps the cells of an
+earlier, partial call (a device call has a time limit).
 
     python benchmarks/clean_matrix.py [--steps 200] [--cells NAME ...] [--out benchmarks/results/clean_matrix.json]
 
@@ -22,6 +24,7 @@ Summary keys: `confirmed_clean` (confirmed or unattributed verdicts in clean run
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 import traceback
@@ -65,11 +68,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="steps of each clean run")
     parser.add_argument("--fault-steps", type=int, default=50, help="steps of each faulty run")
     parser.add_argument("--fault-step", type=int, default=40, help="step of the injected fault (after calibration)")
+    parser.add_argument("--hair-trigger-steps", type=int, default=60, help="steps of each hair-trigger run")
     parser.add_argument("--cells", nargs="*", help="only these cells (names)")
+    parser.add_argument(
+        "--resume", type=Path, help="a partial result of an earlier call: its cells are kept, not rerun"
+    )
     args = parser.parse_args()
     cells = [s for s in matrix("small") if not args.cells or s.name in args.cells]
     rows, errors = [], []
-    env = gpu_environment(cells=[s.name for s in cells], clean_steps=args.steps, fault_step=args.fault_step)
+    if args.resume is not None and args.resume.exists():
+        earlier = json.loads(args.resume.read_text())
+        rows, errors = earlier["rows"], earlier.get("errors", [])
+    done = {r["cell"] for r in rows}
+    env = gpu_environment(
+        cells=[s.name for s in cells], clean_steps=args.steps, hair_trigger_steps=args.hair_trigger_steps,
+        fault_step=args.fault_step,
+    )  # fmt: skip
 
     def record() -> dict:
         clean = [r for r in rows if r["variant"] != "fault"]
@@ -89,11 +103,13 @@ def main() -> None:
         return summary
 
     for setup in cells:
+        if setup.name in done:
+            continue
         fault = (setup.fault_site, args.fault_step)
         spec = aegis.FaultSpec(site=setup.fault_site, model="bitflip", bit=27, steps=(args.fault_step,))
         for variant, thresholds, faults, steps in (
             ("default", aegis.ThresholdConfig(), (), args.steps),
-            ("hair-trigger", HAIR_TRIGGER, (), args.steps),
+            ("hair-trigger", HAIR_TRIGGER, (), args.hair_trigger_steps),
             ("fault", aegis.ThresholdConfig(), (spec,), args.fault_steps),
         ):
             started = time.perf_counter()
