@@ -74,7 +74,9 @@ def main() -> None:
         "--resume", type=Path, help="a partial result of an earlier call: its cells are kept, not rerun"
     )
     args = parser.parse_args()
-    cells = [s for s in matrix("small") if not args.cells or s.name in args.cells]
+    cells = list(matrix("small"))
+    if args.cells:  # in the order given
+        cells = [next(s for s in cells if s.name == name) for name in args.cells]
     rows, errors = [], []
     if args.resume is not None and args.resume.exists():
         earlier = json.loads(args.resume.read_text())
