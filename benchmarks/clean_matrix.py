@@ -86,6 +86,8 @@ def main() -> None:
         cells=[s.name for s in cells], clean_steps=args.steps, hair_trigger_steps=args.hair_trigger_steps,
         fault_step=args.fault_step,
     )  # fmt: skip
+    if args.resume is not None and args.resume.exists():
+        env["earlier_calls"] = [*earlier["env"].get("earlier_calls", []), earlier["env"]]
 
     def record() -> dict:
         clean = [r for r in rows if r["variant"] != "fault"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tests import dist_workers
 
-from aegis_sdc.store.sqlite import read_incidents, read_warnings
+from aegis_sdc.store.sqlite import read_incidents, read_unattributed, read_warnings
 
 SITE = "layers.0.mlp.up_proj:fwd"
 
@@ -137,6 +137,8 @@ def test_a_corrupted_gradient_bucket_is_detected_and_a_rank_named_only_by_a_majo
         assert proven == [(site, 5, 1, "unattributed_sdc")]
         assert "no rank named" in results[1]["verdicts"][0]["detail"]
         assert results[1]["summary"]["unattributed"] == 1 and results[1]["summary"]["confirmed"] == 0
+        (stored,) = read_unattributed(tmp_path / "run")  # what `aegis incidents` lists
+        assert (stored["site"], stored["step"], stored["rank"]) == (site, 5, 1)
 
 
 @pytest.mark.slow

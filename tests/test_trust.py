@@ -198,3 +198,19 @@ def test_an_extreme_batch_leaves_the_thresholds_alone(tmp_path):
     assert summary.data_false_alarms >= 1  # the batch did alarm (and replayed bit for bit) ...
     assert after == before  # ... and no threshold paid for it
     assert summary.confirmed == 0
+
+
+def test_a_corruption_pinned_on_no_device_gets_the_policy_but_quarantines_nothing(tmp_path):
+    from aegis_sdc.config import ResponseConfig
+    from aegis_sdc.events import Verdict
+    from aegis_sdc.response.policies import Responder, SilentDataCorruptionError, SilentDataCorruptionWarning
+
+    verdict = Verdict(1, SITES[0], 5, VerdictKind.UNATTRIBUTED, detail="ranks whose check failed: [1]")
+    quarantine = tmp_path / "quarantine.jsonl"
+    with pytest.raises(SilentDataCorruptionError) as raised:
+        Responder(ResponseConfig(policy="raise"), str(quarantine)).respond([], None, [verdict])
+    assert raised.value.incident is None and raised.value.unattributed == (verdict,)
+    assert "no device named" in str(raised.value)
+    with pytest.warns(SilentDataCorruptionWarning, match="no device named"):
+        Responder(ResponseConfig(policy="warn"), str(quarantine)).respond([], None, [verdict])
+    assert not quarantine.exists()

@@ -55,7 +55,9 @@ def protect(
 
     With an `optimizer`, the end of each step is its `step()`: evidence is judged and vTasks are
     verified in its pre-hook, before any weight changes. Without one, call `guard.step()` once per
-    training step. `filter(name, linear) -> bool` narrows the choice further. `start_step` numbers
+    training step, after backward and *before* the weights change: a replay that references a weight
+    updated in between (through `p.data`, which leaves no trace on the tensor) cannot be judged and
+    ends `not_verifiable`. `filter(name, linear) -> bool` narrows the choice further. `start_step` numbers
     the first step (for resumed runs). Returns the `Guard`; `guard.close()` (or leaving its `with`
     block) verifies what is pending and restores the original modules.
 

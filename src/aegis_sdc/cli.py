@@ -174,17 +174,25 @@ def incidents(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List the confirmed incidents of a run, all ranks merged."""
-    from aegis_sdc.store.sqlite import StoreError, read_incidents, read_verdict_counts, read_warnings
+    from aegis_sdc.store.sqlite import (
+        StoreError,
+        read_incidents,
+        read_unattributed,
+        read_verdict_counts,
+        read_warnings,
+    )
 
     try:
         rows = read_incidents(run_dir)
         counts = read_verdict_counts(run_dir)
         warnings = read_warnings(run_dir)
+        unattributed = read_unattributed(run_dir)
     except StoreError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
     if as_json:
-        report = {"run_dir": str(run_dir), "verdicts": counts, "incidents": rows, "warnings": warnings}
+        report = {"run_dir": str(run_dir), "verdicts": counts, "incidents": rows, "warnings": warnings,
+                  "unattributed": unattributed}  # fmt: skip
         typer.echo(json.dumps(report, indent=2))
         return
     console = Console()
@@ -211,6 +219,10 @@ def incidents(
     console.print(
         f"{len(rows)} confirmed; verdicts: " + (", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "none")
     )
+    if unattributed:
+        console.print(f"corruptions proven but pinned on no device (no majority): {len(unattributed)}")
+        for event in unattributed[:20]:
+            console.print(f"  step {event['step']}, check failed on rank {event['rank']}: {event['message']}")
     if warnings:
         console.print(f"rank-outlier warnings (heuristic, not confirmed): {len(warnings)}")
         for warning in warnings[:20]:

@@ -325,7 +325,8 @@ class Guard:
         return hooked
 
     def step(self) -> StepReport:
-        """End the current step and start the next; for training loops that pass no optimizer."""
+        """End the current step and start the next; for training loops that pass no optimizer. Call it
+        after backward and before the weights change (see `protect`)."""
         report = self.end_step()
         self._advance()
         return report

@@ -412,6 +412,20 @@ def read_warnings(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def read_unattributed(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Corruptions proven but pinned on no device (collective checks without a majority), all ranks,
+    ordered by step; `rank` is the rank whose check failed, not a device blamed."""
+    rows: list[dict[str, Any]] = []
+    for db, conn in _each_rank(run_dir):
+        for r in conn.execute(
+            "SELECT e.step, e.message, s.name AS site FROM events e"
+            " LEFT JOIN sites s ON s.id = e.site_id WHERE e.kind = 'unattributed_sdc' ORDER BY e.step, e.id"
+        ):
+            rows.append({"step": r["step"], "site": r["site"], "rank": db.rank, "message": r["message"]})
+    rows.sort(key=lambda r: (r["step"], r["rank"]))
+    return rows
+
+
 def read_verdict_counts(run_dir: str | os.PathLike) -> dict[str, int]:
     counts: dict[str, int] = {}
     for _, conn in _each_rank(run_dir):
