@@ -144,6 +144,7 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
                 {"site": v.site.name, "step": v.step, "kind": v.kind.value, "detail": v.detail} for v in verdicts
             ]
             result["checks_per_step"] = [s.step_stats.checks for s in guard.sensors]
+            result["relaxations"] = sum(s.row.relaxations + s.col.relaxations for s in guard.sensors)
             if "exchange_error" not in result:
                 result["summary"] = guard.close().to_dict()
     finally:

@@ -114,6 +114,7 @@ def test_ddp_cells_of_the_clean_matrix(world, faulty, tmp_path):
     assert incidents == ([(SITE, 30, 1)] if faulty else [])
     for r in results:
         assert r["summary"]["alarms"] > 0 and r["summary"]["unattributed"] == 0
+        assert r["relaxations"] >= 1  # calibrated, widened after false alarms, relaxed back
         assert r["summary"]["confirmed"] == (1 if faulty and r["rank"] == 1 else 0)
         assert {w["rank"] for w in r["warnings"]} <= ({1, None} if faulty else set())
         if not faulty:
