@@ -41,6 +41,7 @@ STATS_LEN = 9
 # clean checks: raw differences grow with the activations, so a value frozen at calibration would
 # make "r × m" shrink relative to the noise as training goes on.
 L2_WINDOW = 16
+UNUSUAL_KEPT = 1024  # alarms on unusual data remembered until their verdict (more than any backlog)
 
 
 def evidence_stats(result: GemmChecksums, row_threshold: float, col_threshold: float) -> torch.Tensor:
@@ -174,7 +175,9 @@ class GemmSensor:
         self._clean_l2: deque[float] = deque(maxlen=L2_WINDOW)
         self._calibration_checks = thresholds.calibration_checks
         self._data_outlier_factor = thresholds.data_outlier_factor
-        self._unusual_data: set[tuple[int, int]] = set()  # (step, call) of alarms on unusual data
+        # (step, call) of alarms on unusual data, until their verdict; insertion-ordered and bounded
+        # (alarms that end otherwise than as false alarms are never looked up again)
+        self._unusual_data: dict[tuple[int, int], None] = {}
         self.data_false_alarms = 0  # false alarms that left the thresholds alone (see on_false_alarm)
         self._call_step = -1
         self._calls_in_step = 0
@@ -280,7 +283,9 @@ class GemmSensor:
             return None
         st.alarms += 1
         if self._unusual(stats):
-            self._unusual_data.add((record.plan.step, record.plan.call))
+            if len(self._unusual_data) >= UNUSUAL_KEPT:
+                del self._unusual_data[next(iter(self._unusual_data))]
+            self._unusual_data[(record.plan.step, record.plan.call)] = None
         over = tuple(
             channel
             for channel, value, threshold in (
@@ -345,8 +350,9 @@ class GemmSensor:
         """The replay reproduced every bit: widen each threshold the call crossed — unless the call's
         data was unusual (`_unusual`): one extreme batch says nothing about the site's noise, and
         the threshold must not pay for it (it would stay blind for the next relax window)."""
-        if (evidence.step, evidence.call) in self._unusual_data:
-            self._unusual_data.discard((evidence.step, evidence.call))
+        key = (evidence.step, evidence.call)
+        if key in self._unusual_data:
+            del self._unusual_data[key]
             self.data_false_alarms += 1
             return
         if Channel.ROW in evidence.channels:
