@@ -114,8 +114,8 @@ def build_model(setup: Setup, device: torch.device) -> tuple[nn.Module, Callable
     else:
         cls, cfg = _hf_config(setup.model, setup.size)
         model = cls(cfg)
-        if setup.checkpointing:
-            model.gradient_checkpointing_enable()
+        if setup.checkpointing:  # the name newer transformers use, else the one older releases have
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
 
         def loss(m: nn.Module, batch) -> torch.Tensor:
             return m(input_ids=batch[0], labels=batch[1]).loss
