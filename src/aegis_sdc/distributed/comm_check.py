@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from aegis_sdc.distributed.outlier import MIN_VOTERS
+from aegis_sdc.distributed.outlier import majority_decides
 from aegis_sdc.events import Site, Tile, VerdictKind, WrongExecution
 
 SUB = 64  # elements summed in fp32 before the fp64 sum of a chunk: fast, and a tight error bound
@@ -151,9 +151,9 @@ class CommCapture:
             detail += "; the stored gradient " + ("still differs" if still else "now agrees (a transient read error)")
         if not chunks:
             return VerdictKind.FALSE_ALARM, None, detail
-        world = len(self.group)
-        passed = world - len(set(self.ranks_failed))
-        if self.exchanged and world >= MIN_VOTERS and 2 * passed > world:
+        world, failed = len(self.group), len(set(self.ranks_failed))
+        passed = world - failed
+        if self.exchanged and majority_decides(world, failed):
             return VerdictKind.CONFIRMED_SDC, WrongExecution.ORIGINAL, f"{detail}; {passed} of {world} ranks passed"
         why = f"{passed} of {world} ranks passed, no majority" if self.exchanged else "results not exchanged"
         return (

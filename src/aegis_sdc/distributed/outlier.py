@@ -27,6 +27,12 @@ REFERENCE_FLOOR = 1.0  # one unit of fp32 rounding: exact (zero) differences on 
 MIN_VOTERS = 3  # below three ranks no majority can single one out
 
 
+def majority_decides(voters: int, dissenting: int) -> bool:
+    """Whether `voters` ranks can name the `dissenting` ones: three or more, and a strict majority
+    on the other side. The rule every rank attribution without a replay follows."""
+    return voters >= MIN_VOTERS and 2 * (voters - dissenting) > voters
+
+
 @dataclass(frozen=True)
 class OutlierWarning:
     """A site whose ranks disagree in one step.
@@ -106,10 +112,11 @@ def detect_outliers(
                 standing_out.append((rank, value, reference))
         if not standing_out:
             continue
-        named = {rank for rank, _, _ in standing_out}
-        agreeing = [value for rank, value in checked if rank not in named]
-        consistent = max(agreeing) <= factor * max(min(agreeing), REFERENCE_FLOOR)  # the majority agrees
-        if len(checked) >= MIN_VOTERS and 2 * len(agreeing) > len(checked) and consistent:
+        apart = {rank for rank, _, _ in standing_out}
+        agreeing = [value for rank, value in checked if rank not in apart]
+        if majority_decides(len(checked), len(standing_out)) and (
+            max(agreeing) <= factor * max(min(agreeing), REFERENCE_FLOOR)  # the majority agrees
+        ):
             warnings.extend(
                 OutlierWarning(step, site, rank, value, reference, factor, (rank,), (value,))
                 for rank, value, reference in standing_out

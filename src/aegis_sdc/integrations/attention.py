@@ -107,12 +107,12 @@ class AttentionRouter:
                 return fallback()
             sensor, plan = plan
             silent = AttentionPlan(plan.step, plan.call, plan.heads, False, {}, silent=True)
-            return checked_attention(query, key, value, causal=is_causal, scale=scale,
-                                     hooks=_PlannedHooks(sensor, silent, query.shape[1]))  # fmt: skip
+            return checked_attention(q, k, v, causal=is_causal, scale=scale,
+                                     hooks=_PlannedHooks(sensor, silent, q.shape[1]))  # fmt: skip
         sensor = self.sensor_for(name)
         plan = sensor.plan(query.shape[0] * query.shape[1], query.shape[2], key.shape[2], query.shape[3])
         self.tracer.record(None if plan is None else (sensor, plan))
         if plan is None:
             return fallback()
-        return checked_attention(query, key, value, causal=is_causal, scale=scale,
-                                 hooks=_PlannedHooks(sensor, plan, query.shape[1]))  # fmt: skip
+        return checked_attention(q, k, v, causal=is_causal, scale=scale,
+                                 hooks=_PlannedHooks(sensor, plan, q.shape[1]))  # fmt: skip

@@ -10,9 +10,10 @@ the calling module): the op knows nothing of thresholds or stores. Unsupported a
 protected models keep SDPA there (integrations/attention.py).
 
 Precision: under autocast, q, k and v are first cast to the autocast dtype, as autocast casts
-SDPA's inputs (it is on autocast's lower-precision list). From there on the op runs with autocast
-off (`kernels.numerics.exact_fp32`) in forward, in backward and in every replay, so a replay at the
-step's end computes exactly what the training step computed.
+SDPA's inputs (it is on autocast's lower-precision list). From there on its arithmetic (the
+reference kernels) runs with autocast off and exact fp32 matmuls (`kernels.numerics.exact_fp32`) in
+forward, in backward and in every replay, so a replay at the step's end computes exactly what the
+training step computed.
 """
 
 from __future__ import annotations
@@ -102,11 +103,6 @@ class CallReplay:
 class CheckedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks):
-        with torch.autocast(q.device.type, enabled=False):
-            return CheckedAttentionFunction._forward(ctx, q, k, v, causal, scale, hooks)
-
-    @staticmethod
-    def _forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks):
         b, h = q.shape[:2]
         plan = hooks.plan(b * h)
         qf, kf, vf = _heads(q, k, v)
@@ -120,11 +116,6 @@ class CheckedAttentionFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        with torch.autocast(dout.device.type, enabled=False):
-            return CheckedAttentionFunction._backward(ctx, dout)
-
-    @staticmethod
-    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         b, h = q.shape[:2]
         qf, kf, vf = _heads(q, k, v)

@@ -138,7 +138,7 @@ class Verifier:
             first = payload.replay()
             diff = payload.diff(saved, first)
             if diff.derived_differs:
-                return VerdictKind.NOT_VERIFIABLE, None, (), False, _operand_changed(payload)
+                return VerdictKind.NOT_VERIFIABLE, None, (), False, _operand_changed(payload, first)
             if diff.equal:
                 violations = payload.exact_violations()
                 if violations:
@@ -174,10 +174,10 @@ class Verifier:
             return VerdictKind.NOT_VERIFIABLE, None, (), False, f"replay failed: {error}"
 
 
-def _operand_changed(payload) -> str:
+def _operand_changed(payload, first) -> str:
     """The reason a replay whose B·1 differs from the step's cannot be judged; a second replay says
     whether the recomputation at least agrees with itself."""
-    stable = not payload.diff(payload.replay(), payload.replay()).derived_differs
+    stable = not payload.diff(first, payload.replay()).derived_differs
     return (
         "B·1 recomputed from the referenced weight differs from the vector the training step used"
         + (" (two recomputations agree)" if stable else " (and two recomputations disagree: it is being written)")

@@ -176,7 +176,7 @@ def run_setup(setup: Setup, config, *, steps: int, device: torch.device | str = 
     torch.manual_seed(seed)
     model, loss_of = build_model(setup, device)
     optimizer = build_optimizer(setup, model)
-    vocab = model.config.vocab_size if hasattr(model, "config") and hasattr(model.config, "vocab_size") else 128
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 128)  # HF models: their config's
     batches = _batches(setup, device, vocab, seed + 1)
     scaler = torch.amp.GradScaler(device.type) if setup.grad_scaler else None
     guard = aegis.protect(model, optimizer=optimizer, config=config)
