@@ -39,11 +39,18 @@ from aegis_sdc.workloads.setups import Setup, matrix, run_setup
 HAIR_TRIGGER = aegis.ThresholdConfig(margin=1.0, relax_window=10)
 
 
-def config(thresholds: aegis.ThresholdConfig, faults=()) -> aegis.GuardConfig:
+def config(thresholds: aegis.ThresholdConfig, faults=(), backend: str = "auto") -> aegis.GuardConfig:
     return aegis.GuardConfig(
-        run_dir=tempfile.mkdtemp(prefix="aegis-matrix-"), thresholds=thresholds, faults=faults,
+        run_dir=tempfile.mkdtemp(prefix="aegis-matrix-"), thresholds=thresholds, faults=faults, backend=backend,
+        sampling=aegis.SamplingConfig.every_call(),
         response=aegis.ResponseConfig(quarantine=False),
     )  # fmt: skip
+
+
+def gpu_backend(setup: Setup) -> str:
+    """fp32 cells on the GPU: the reference path, by request (`auto` leaves fp32 GPU layers unchecked,
+    named in the coverage; the matrix still wants their optimizers and loops judged)."""
+    return "reference" if setup.precision == "fp32" else "auto"
 
 
 def row_of(setup: Setup, variant: str, result, fault: tuple[str, int] | None) -> dict:
@@ -118,7 +125,7 @@ def main() -> None:
         ):
             started = time.perf_counter()
             try:
-                result = run_setup(setup, config(thresholds, faults), steps=steps, device="cuda")
+                result = run_setup(setup, config(thresholds, faults, gpu_backend(setup)), steps=steps, device="cuda")
             except Exception as error:  # keep going: one broken cell must not hide the others
                 errors.append({"cell": setup.name, "variant": variant, "error": traceback.format_exc()})
                 print(f"{setup.name:32s} {variant:12s} ERROR {error!r}", flush=True)

@@ -65,7 +65,8 @@ def clean_headroom(steps: int) -> dict:
         return original(self, record, stats)
 
     gemm_sensor.GemmSensor.judge = spy
-    cfg = aegis.GuardConfig(run_dir=tempfile.mkdtemp(), thresholds=aegis.ThresholdConfig(margin=1e9))
+    cfg = aegis.GuardConfig(run_dir=tempfile.mkdtemp(), thresholds=aegis.ThresholdConfig(margin=1e9),
+                            sampling=aegis.SamplingConfig.every_call())  # fmt: skip
     try:
         guard = aegis.protect(model, optimizer=optimizer, config=cfg)
         final_loss = train(model, data, optimizer, steps)
@@ -90,7 +91,8 @@ def clean_headroom(steps: int) -> dict:
 def fault_detection(steps: int, scale: float) -> dict:
     model, data, optimizer = workload()
     spec = aegis.FaultSpec(site="*", model="perturb", scale=scale, steps=tuple(range(20, steps)), seed=1)
-    cfg = aegis.GuardConfig(run_dir=tempfile.mkdtemp(), faults=(spec,), response=aegis.ResponseConfig(quarantine=False))
+    cfg = aegis.GuardConfig(run_dir=tempfile.mkdtemp(), faults=(spec,), response=aegis.ResponseConfig(quarantine=False),
+                            sampling=aegis.SamplingConfig.every_call())  # fmt: skip
     guard = aegis.protect(model, optimizer=optimizer, config=cfg)
     train(model, data, optimizer, steps)
     summary = guard.close()

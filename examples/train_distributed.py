@@ -52,7 +52,9 @@ def main() -> None:
             aegis.FaultSpec(site=args.fault_site, model="bitflip", bit=22, steps=strikes, ranks=(args.fault_rank,)),
         )
     run_dir = args.run_dir or aegis.config.default_run_dir()
-    guard = aegis.protect(model, config=aegis.GuardConfig(run_dir=run_dir, faults=faults))  # before wrapping
+    # every call checked: the example's injected fault must be seen (the default on a GPU samples to a 1% budget)
+    config = aegis.GuardConfig(run_dir=run_dir, faults=faults, sampling=aegis.SamplingConfig.every_call())
+    guard = aegis.protect(model, config=config)  # before wrapping
     if args.parallel == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
         guard.attach_ddp(model)

@@ -149,7 +149,7 @@ def test_clean_training_checks_attention_and_confirms_nothing(tmp_path):
     assert summary.attention_checks == 40 * 2  # one call per step, forward and backward
     assert summary.confirmed == 0 and not guard.incidents
     assert losses[-1] < losses[0]
-    assert {s.name for s in guard.extra_sites} >= {"layers.0.attn:attn_fwd", "layers.0.attn:attn_bwd"}
+    assert {s.name for s in guard.registry.extra} >= {"layers.0.attn:attn_fwd", "layers.0.attn:attn_bwd"}
 
 
 def test_unsupported_calls_and_calls_outside_the_model_keep_sdpa(tmp_path):

@@ -33,6 +33,7 @@ def guard_config(tmp_path, faults=(), backend="auto", thresholds=HAIR_TRIGGER) -
         thresholds=thresholds,
         faults=faults,
         backend=backend,
+        sampling=aegis.SamplingConfig.every_call(),  # every call checked, on the GPU too
         response=aegis.ResponseConfig(quarantine=False),
     )
 
@@ -104,11 +105,15 @@ def test_a_forward_fault_after_the_weights_changed_is_not_verifiable_never_confi
 @pytest.mark.gpu
 @pytest.mark.parametrize("setup", matrix("small"), ids=[s.name for s in matrix("small")])
 def test_gpu_clean_run_confirms_nothing_and_a_fault_is_confirmed(setup, tmp_path):
-    clean = run_setup(setup, guard_config(tmp_path / "clean"), steps=STEPS, device="cuda")
+    # fp32 cells: the reference path by request (with backend "auto" fp32 GPU layers run unchecked,
+    # named in the coverage: tests/test_hot_path.py); the matrix still judges their loops
+    backend = "reference" if setup.precision == "fp32" else "auto"
+    clean = run_setup(setup, guard_config(tmp_path / "clean", backend=backend), steps=STEPS, device="cuda")
     assert_clean(setup, clean, strict=False)
     # Default thresholds for the fault: under the hair trigger a step alarms more often than the
     # device keeps capture slots (4 per step), and a late GEMM's fault can find them all taken.
-    config = guard_config(tmp_path / "faulty", faults=(bitflip(setup),), thresholds=aegis.ThresholdConfig())
+    config = guard_config(tmp_path / "faulty", faults=(bitflip(setup),), thresholds=aegis.ThresholdConfig(),
+                          backend=backend)  # fmt: skip
     assert_fault_confirmed(setup, run_setup(setup, config, steps=STEPS, device="cuda"))
 
 

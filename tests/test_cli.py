@@ -39,9 +39,12 @@ def test_demo_confirms_the_injected_fault_and_writes_the_run_directory(tmp_path)
     assert report["incidents"] and all(i["site"] == "layers.1.mlp.up_proj:fwd" for i in report["incidents"])
     assert all(i["step"] >= 25 for i in report["incidents"])
     assert report["verdicts"]["confirmed_sdc"] == len(report["incidents"])
+    # the demo checks every call on the CPU: all of every step's GEMM FLOPs
+    assert report["coverage"]["checked_flops_fraction"] == 1.0 and report["coverage"]["steps"] > 0
 
     table = runner.invoke(app, ["incidents", str(run_dir)])
     assert table.exit_code == 0 and "confirmed incidents" in table.output and "original" in table.output
+    assert "checked 100.0% of the GEMM FLOPs" in table.output
 
 
 def test_demo_without_fault_confirms_nothing(tmp_path):

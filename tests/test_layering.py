@@ -11,6 +11,7 @@ ALLOWED = {
     "ops": {"kernels"},
     "sensors": {"kernels", "ops"},
     "verify": {"kernels", "ops", "sensors"},
+    "runtime": {"kernels", "ops", "sensors", "verify"},
     "faults": {"hashing"},
     "store": set(),
     "distributed": {"events", "kernels"},  # the fused chunk sums of the collective checks

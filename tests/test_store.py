@@ -77,11 +77,14 @@ def test_a_version_1_store_is_migrated_keeping_its_data(tmp_path):
     conn = sqlite3.connect(path)
     conn.executescript(f"{_SCHEMA_V1}\nPRAGMA user_version = 1;")
     conn.execute("INSERT INTO events (kind, message, wall) VALUES ('note', 'written by version 1', 0.0)")
+    conn.execute("INSERT INTO steps (step, wall, checks, alarms, verified, backlog, verify_ms) VALUES (0,0,5,0,0,0,0)")
     conn.commit()
     conn.close()
     store = Store(path)
-    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     assert store.conn.execute("SELECT message FROM events").fetchone()[0] == "written by version 1"
+    # v3: a step's GEMM FLOPs and checked FLOPs; steps written before are kept, with 0 for both
+    assert tuple(store.conn.execute("SELECT checks, gemm_flops, checked_flops FROM steps").fetchone()) == (5, 0, 0)
     store.write_study("param-sync", {"steps": 1})
     store.write_study_metrics([(0, "all", "grad_deviation", 0.5), (0, "loss", "suspect", float("nan"))])
     store.close()

@@ -24,6 +24,7 @@ def config(tmp_path, **kwargs) -> aegis.GuardConfig:
         run_dir=str(tmp_path / "run"),
         backend="triton",
         thresholds=aegis.ThresholdConfig(calibration_checks=4),  # short calibration: interpreted steps are slow
+        sampling=kwargs.pop("sampling", aegis.SamplingConfig.every_call()),  # on a GPU too
         **kwargs,
     )
 
@@ -42,7 +43,8 @@ def test_triton_and_reference_backends_compute_the_same_linear(tmp_path):
     results = {}
     for backend in ("reference", "triton"):
         model = copy.deepcopy(base)
-        cfg = aegis.GuardConfig(run_dir=str(tmp_path / backend), backend=backend)
+        cfg = aegis.GuardConfig(run_dir=str(tmp_path / backend), backend=backend,
+                                sampling=aegis.SamplingConfig.every_call())  # fmt: skip
         guard = aegis.protect(model, config=cfg)
         xi = x.clone().requires_grad_()
         y = model(xi)
@@ -93,7 +95,11 @@ def test_gpu_bf16_training_clean_then_faulty(tmp_path):
     model, data, optimizer = tiny_workload(cfg=cfg, batch=8, seq=512, dtype=torch.bfloat16)
     spec = aegis.FaultSpec(site="layers.1.mlp.down_proj:*", model="bitflip", bit=26, steps=(40,), seed=2)
     guard = aegis.protect(
-        model, optimizer=optimizer, config=aegis.GuardConfig(run_dir=str(tmp_path / "run"), faults=(spec,))
+        model,
+        optimizer=optimizer,
+        config=aegis.GuardConfig(
+            run_dir=str(tmp_path / "run"), faults=(spec,), sampling=aegis.SamplingConfig.every_call()
+        ),
     )
     losses = train(model, data, optimizer, 42)
     summary = guard.close()

@@ -176,6 +176,7 @@ def incidents(
     """List the confirmed incidents of a run, all ranks merged."""
     from aegis_sdc.store.sqlite import (
         StoreError,
+        read_coverage,
         read_incidents,
         read_unattributed,
         read_verdict_counts,
@@ -187,12 +188,13 @@ def incidents(
         counts = read_verdict_counts(run_dir)
         warnings = read_warnings(run_dir)
         unattributed = read_unattributed(run_dir)
+        coverage = read_coverage(run_dir)
     except StoreError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
     if as_json:
         report = {"run_dir": str(run_dir), "verdicts": counts, "incidents": rows, "warnings": warnings,
-                  "unattributed": unattributed}  # fmt: skip
+                  "unattributed": unattributed, "coverage": coverage}  # fmt: skip
         typer.echo(json.dumps(report, indent=2))
         return
     console = Console()
@@ -219,6 +221,11 @@ def incidents(
     console.print(
         f"{len(rows)} confirmed; verdicts: " + (", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "none")
     )
+    if coverage["checked_flops_fraction"] is not None:
+        console.print(
+            f"checked {coverage['checked_flops_fraction']:.1%} of the GEMM FLOPs over {coverage['steps']} steps "
+            f"(per step {coverage['per_step_min']:.1%}–{coverage['per_step_max']:.1%})"
+        )
     if unattributed:
         console.print(f"corruptions proven but pinned on no device (no majority): {len(unattributed)}")
         for event in unattributed[:20]:

@@ -16,6 +16,7 @@ from typing import Any
 from aegis_sdc.faults.models import FaultSpec
 
 CHECK_MODES = ("row", "row+col")
+AUTO_BUDGET = 0.01  # SamplingConfig(budget="auto") on CUDA: 1% of the step (see SamplingConfig)
 POLICIES = ("warn", "raise", "exit", "skip-step")
 BACKENDS = ("auto", "reference", "triton")
 
@@ -94,25 +95,74 @@ class ThresholdConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Probability that a call of a site runs the checked kernel (others run the fast path).
+    """Which calls of a site run the checked kernel (the others run the fast path, exactly `F.linear`).
 
-    `per_site` maps fnmatch patterns over site names to probabilities; the first match wins.
-    Calibration checks are always taken. Decisions are a pure function of (seed, site, step, call).
+    Decisions are drawn once per step for all sites, as a pure function of (seed, site, step, call):
+    every data-parallel rank checks the same calls. Calibration checks are always taken.
+
+    - `probability`: the chance that a call is checked, for every site (1.0 when neither it nor a
+      budget is in force). Giving it turns the automatic budget off.
+    - `per_site`: fnmatch patterns over site names → probability; the first match wins. Under a
+      budget a rule caps its sites' probability (0 leaves them unchecked).
+    - `budget`: instead of a fixed probability, keep the cost of checking under this fraction of the
+      step (0.01 = 1%). After calibration, each site's extra cost per check is timed on the device
+      (checked kernel against the unchecked one, at the site's shape) and the step time is measured
+      on a few unsampled steps; the plan then checks as many GEMM FLOPs per step as fit, most FLOPs
+      per millisecond first, and re-plans every `replan_steps` steps from what the plan really cost
+      (runtime/budget.py). ``"auto"`` (the default) is a 1% budget for a model on CUDA when no
+      `probability` is given, and no budget (every call checked) on the CPU reference path. Why 1%
+      on the GPU: measured on the H200 with HF Llama at the TinyLlama-1.1B shape (docs/hot-path.md),
+      checking every GEMM costs +92% of the step with today's kernel — protection at a few percent
+      holds only when sampled; a 1% budget costs about 1–2% and still checks every site about once
+      per `rotation_steps` steps. The CPU reference path is for tests and demonstrations.
+      ``None``: always `probability`.
+    - `rotation_steps`: under a budget, every site is still checked about once per this many steps,
+      however poor its FLOPs per millisecond (a fault in a cheap site must not go unseen forever).
     """
 
-    probability: float = 1.0
+    probability: float | None = None
     per_site: tuple[tuple[str, float], ...] = ()
     seed: int = 0
+    budget: float | str | None = "auto"
+    rotation_steps: int = 100
+    replan_steps: int = 50
+
+    def budget_for(self, device_type: str) -> float | None:
+        """The budget in force for a model on `device_type` (see `budget`)."""
+        if self.budget == "auto":
+            return AUTO_BUDGET if device_type == "cuda" and self.probability is None else None
+        return self.budget
+
+    def probability_for(self, device_type: str) -> float:
+        """Every site's probability when no budget is in force (1.0 unless given)."""
+        return 1.0 if self.probability is None else self.probability
+
+    @classmethod
+    def every_call(cls, **kwargs: Any) -> SamplingConfig:
+        """Check every call of every site, on any device (tests, sensitivity runs, demonstrations)."""
+        return cls(probability=1.0, budget=None, **kwargs)
 
     def __post_init__(self) -> None:
         rules = self.per_site.items() if isinstance(self.per_site, Mapping) else self.per_site
         rules = tuple((str(p), float(q)) for p, q in rules)
         object.__setattr__(self, "per_site", rules)
-        for pattern, probability in (("*default*", self.probability), *rules):
+        for pattern, probability in (("*default*", self.probability_for("cpu")), *rules):
             _require(
                 0.0 <= probability <= 1.0,
                 f"SamplingConfig probability for {pattern!r} must lie in [0, 1], got {probability}",
             )
+        _require(
+            self.budget is None
+            or self.budget == "auto"
+            or (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and 0.0 < self.budget <= 1.0),
+            f"SamplingConfig.budget must be a fraction of the step in (0, 1], 'auto' or None, got {self.budget!r}",
+        )
+        _require(
+            self.probability is None or not isinstance(self.budget, (int, float)) or self.budget is None,
+            "SamplingConfig takes a probability or a budget, not both",
+        )
+        _require(self.rotation_steps >= 1, "SamplingConfig.rotation_steps must be >= 1")
+        _require(self.replan_steps >= 1, "SamplingConfig.replan_steps must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -259,9 +309,16 @@ class GuardConfig:
       O·1 = P·(V·1), backward 1ᵀdV = 1ᵀdO; sampled like the GEMMs; CPU tensors for now —
       docs/attention.md).
     - `backend`: ``auto`` runs the fused Triton kernels on CUDA tensors whose shapes TMA accepts
-      (rows 16-byte aligned) and the reference path elsewhere; ``reference`` always the reference
-      path; ``triton`` the Triton kernels wherever they can run (on the CPU only under
+      (rows 16-byte aligned) and the reference path on the CPU; a CUDA call the kernels cannot take
+      (fp32, misaligned rows) runs unchecked, named once in a warning and in the coverage report —
+      never the reference path, which reads its evidence on the host per call; ``reference`` always
+      the reference path; ``triton`` the Triton kernels wherever they can run (on the CPU only under
       TRITON_INTERPRET=1: for tests).
+    - `gate_optimizer`: with an optimizer that takes GradScaler's device-side `found_inf` (fused
+      Adam, AdamW, SGD on CUDA), end the step without waiting for its evidence: the optimizer gets a
+      device flag that holds back the update of a step whose checks alarmed, judging runs while the
+      GPU works, and a held-back update is applied once its verdicts allow it. Off: the step end
+      waits for the evidence before the optimizer runs (one host read per step, GPU idle meanwhile).
     """
 
     checksum: ChecksumConfig = field(default_factory=ChecksumConfig)
@@ -278,6 +335,7 @@ class GuardConfig:
     run_dir: str | None = None
     max_pending_calls: int = 4096
     backend: str = "auto"
+    gate_optimizer: bool = True
 
     def __post_init__(self) -> None:
         for name, kind in (

@@ -100,7 +100,9 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResult:
                 seed=cfg.seed,
             ),
         )
-    guard_cfg = aegis.GuardConfig(run_dir=str(run_dir), faults=faults)
+    # every call checked, on the GPU too: the demonstration is about what a check sees (the default
+    # on a GPU samples to a 1% budget, docs/hot-path.md)
+    guard_cfg = aegis.GuardConfig(run_dir=str(run_dir), faults=faults, sampling=aegis.SamplingConfig.every_call())
     console.rule("[bold]aegis demo")
     console.print(
         f"workload: Llama-style decoder, {model_cfg.n_layers} layers, dim {model_cfg.dim}, "

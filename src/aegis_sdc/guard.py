@@ -1,26 +1,33 @@
-"""The Guard: wires sensors → verifier → store → response around one model and optimizer.
+"""The Guard: builds the protection of one model from its config, and runs the step end.
 
-Per training step the hot path only records evidence on the device. At the end of the step (the
-optimizer's step pre-hook, or `Guard.step()` for loops without an optimizer) the guard:
+The parts, in the order a step meets them:
 
-1. reads every checked call's evidence with a single host sync;
-2. judges it against the site's threshold; alarms become vTasks;
-3. lets the verifier replay vTasks (all that reference weights, others within the time budget);
-4. adapts thresholds on false alarms, turns confirmed verdicts into incidents;
-5. commits the step's statistics, vTasks, verdicts and incidents in one transaction;
-6. applies the response policy (which may raise before the optimizer applies corrupted gradients).
+- runtime/sites.py     one numbering of every site (GEMM sites first, three per Linear);
+- runtime/plan.py      the step's sampling plan: which calls run checked, drawn once per step;
+                       runtime/budget.py chooses its probabilities under `SamplingConfig.budget`;
+- ops/ and sensors/    the checked calls record evidence on the device (no host sync per op);
+- runtime/evidence.py  at the step end, the evidence travels to the host in one read, started
+                       without waiting; runtime/gate.py lets a fused optimizer run meanwhile and
+                       holds back its update on the device when a check alarmed;
+- here, `_conclude`    judge (alarms become vTasks) → verify (replays; thresholds adapt on false
+                       alarms; confirmed SDCs become incidents) → record (runtime/record.py: one
+                       transaction per step) → respond (policies may raise before an update lands).
+
+The step ends in the optimizer's step hooks, or at `Guard.step()` for loops without an optimizer.
 """
 
 from __future__ import annotations
 
 import platform
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -46,7 +53,6 @@ from aegis_sdc.events import (
     Incident,
     RankIdentity,
     Site,
-    Verdict,
     VerdictKind,
     VTask,
 )
@@ -56,10 +62,17 @@ from aegis_sdc.integrations.checkpointing import RecomputeChecker, SavedTensorCh
 from aegis_sdc.integrations.modules import LinearFilter, restore_linears, select_linears, swap_linears
 from aegis_sdc.kernels.reference import Tiling
 from aegis_sdc.ops.checked_linear import LinearHooks, PlanTracer
+from aegis_sdc.ops.cost import check_cost_ms
 from aegis_sdc.ops.fingerprint import FingerprintPool
-from aegis_sdc.ops.transfer import to_host
 from aegis_sdc.ops.triton_linear import DeviceState
 from aegis_sdc.response.policies import Responder
+from aegis_sdc.runtime import evidence as step_evidence
+from aegis_sdc.runtime.budget import BudgetController, BudgetPlan, StepTimer
+from aegis_sdc.runtime.evidence import Collected
+from aegis_sdc.runtime.gate import OptimizerGate, gateable
+from aegis_sdc.runtime.plan import GEMMS_PER_LINEAR, StepPlan
+from aegis_sdc.runtime.record import StepRecorder, StepReport
+from aegis_sdc.runtime.sites import SiteRegistry
 from aegis_sdc.sensors.attention import AttentionRecord, AttentionSensor
 from aegis_sdc.sensors.fingerprint import FingerprintChecks
 from aegis_sdc.sensors.gemm import CallRecord, GemmSensor, StepClock
@@ -69,18 +82,6 @@ from aegis_sdc.verify.verifier import Verifier
 
 Listener = Callable[[str, Any], None]
 COMM_SLOTS = 256  # collectives exchanged per step (the exchange tensor has a fixed shape)
-
-
-@dataclass
-class StepReport:
-    step: int
-    checks: int = 0
-    alarms: list[VTask] = field(default_factory=list)
-    verdicts: list[Verdict] = field(default_factory=list)
-    incidents: list[Incident] = field(default_factory=list)
-    warnings: list[OutlierWarning] = field(default_factory=list)
-    events: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, message, site id) to store
-    verify_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class GuardSummary:
     coverage: dict[str, Any] = field(default_factory=dict)  # fingerprint sites checked / not covered
     unattributed: int = 0  # proven corruptions no majority or replay pins on one device (collectives)
     data_false_alarms: int = 0  # false alarms on unusual data: thresholds left alone
+    checked_flops_fraction: float = 0.0  # of all GEMM FLOPs run while protected, the checked share
 
     @property
     def false_alarm_rate(self) -> float:
@@ -136,6 +138,10 @@ class Guard:
             raise TypeError(f"protect() expects an nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            # torch.compile(model) before protect(): protect the module it wraps (its forward is
+            # traced at the first call, after the swap), so that site names do not depend on the order.
+            model = model._orig_mod
         config = config or GuardConfig()
         if not isinstance(config, GuardConfig):
             raise TypeError(f"config must be a GuardConfig, got {type(config).__name__}")
@@ -148,9 +154,14 @@ class Guard:
         self.clock = StepClock()
         self.clock.step = start_step
         self.recorder: list[CallRecord] = []
-        self.sampler = Sampler(config.sampling.probability, config.sampling.per_site, config.sampling.seed)
+        # Under a budget no site is sampled until the first plan: calibration checks every call anyway.
+        budget = config.sampling.budget_for(device.type)
+        default_probability = 0.0 if budget is not None else config.sampling.probability_for(device.type)
+        self.sampler = Sampler(default_probability, config.sampling.per_site, config.sampling.seed)
+        self.plan = StepPlan(config.sampling.seed)  # which GEMM calls run checked, drawn once per step
         self.injector = FaultInjector(config.faults, rank=self.identity.rank)
-        self.sensors: list[GemmSensor] = []
+        self.registry = SiteRegistry()
+        self.sensors = self.registry.gemm  # GemmSensor by site id
         self.verifier = Verifier(config.verify)
         self.responder = Responder(
             config.response, config.response.quarantine_path or str(self.run_dir / "quarantine.jsonl")
@@ -160,13 +171,25 @@ class Guard:
         self._listeners: list[Listener] = []
         self._tiling = Tiling(config.verify.row_block, config.verify.col_block)
         self.device_state = DeviceState()
-        self._injections_written = 0
         self._steps_seen: set[int] = set()
         self._pending_evidence: dict[int, Evidence] = {}  # vTask id → its evidence, until verified
         self._comm_values: dict[int, float] = {}  # this step: collective slot → largest mismatch / bound
         self._comm_slot: dict[int, int] = {}  # collective site id → its slot in the exchange
         self.tracer = PlanTracer()  # shared by every checked Linear: checkpointed segments replay plans
         self.closed = False
+        self.last_checked_flops_fraction = 0.0  # of the GEMM FLOPs of the last recorded step
+        self._device = device
+        sampling = config.sampling
+        self.budget = None
+        if budget is not None:
+            self.budget = BudgetController(budget, sampling.rotation_steps, sampling.replan_steps, StepTimer(device))
+        self._check_costs: dict[tuple, float] = {}
+        self._last_calls: list[int] = []
+        self._pending_events: list[tuple[str, str, int]] = []  # events for the next record (plans, gaps)
+        self.uncovered_linears: dict[str, str] = {}  # module → why the GPU kernels cannot check it
+        self._collected: Collected | None = None  # a gated step between optimizer pre- and post-hook
+        self.gate = OptimizerGate()
+        self.host_wait_ms = 0.0  # the host's time waiting for evidence (the device still computing)
 
         chosen = select_linears(model, config.include, config.exclude, filter)
         if not chosen:
@@ -177,8 +200,7 @@ class Guard:
         self._next_vtask = 1 + (self.store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM vtasks").fetchone()[0])
         self._next_incident = 1 + (self.store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM incidents").fetchone()[0])
         self._swaps = swap_linears(model, chosen, self._make_hooks)
-        self.extra_sites: list[Site] = []  # collective and fingerprint sites, numbered after the GEMMs
-        self._new_sites: list[Site] = []
+        self._begin_plan()
         self._setup_fingerprints(model, config)
         self.attention_records: list[AttentionRecord] = []
         self.attention_sensors: dict[str, AttentionSensor] = {}
@@ -187,7 +209,8 @@ class Guard:
         if self._router is not None:
             self._router.install()
         self.store.write_run(self.identity.to_dict(), config.to_dict(), _versions())
-        self.store.write_sites(s.site for s in self.sensors)
+        self.step_recorder = StepRecorder(self.store, self.registry, self.injector, self.identity.rank)
+        self.store.write_sites(self.registry.take_unwritten())
         self._handles = []
         if optimizer is not None:
             self.attach_optimizer(optimizer)
@@ -213,7 +236,7 @@ class Guard:
             (GemmKind.WGRAD, modes.wgrad),
         ):
             sensor = GemmSensor(
-                Site(len(self.sensors), name, kind),
+                self.registry.next_gemm_site(name, kind),
                 col_check=mode == "row+col",
                 thresholds=self.config.thresholds,
                 sampler=self.sampler,
@@ -221,7 +244,7 @@ class Guard:
                 clock=self.clock,
                 recorder=self.recorder,
             )
-            self.sensors.append(sensor)
+            self.registry.add_gemm(sensor)
             sensors.append(sensor)
         return LinearHooks(
             *sensors,
@@ -230,13 +253,24 @@ class Guard:
             backend=self.config.backend,
             state=self.device_state,
             tracer=self.tracer,
+            plan=self.plan,
+            index=self.plan.add_linear(tuple(s.probability for s in sensors)),
+            uncovered=self._uncovered,
         )
+
+    def _uncovered(self, module: str, reason: str) -> None:
+        """A protected Linear the GPU kernels cannot take: named once, in a warning and the coverage."""
+        if module not in self.uncovered_linears:
+            self.uncovered_linears[module] = reason
+            message = f"{module}: not checked on this GPU — {reason}"
+            self._pending_events.append(("not_covered", message, self._site_id(f"{module}:fwd")))
+            warnings.warn(f"aegis-sdc: {message}", stacklevel=4)
 
     def _attention_sensor(self, module: str) -> AttentionSensor:
         """The sensor of an attention module, made at its first checked call (sites in call order)."""
         sensor = self.attention_sensors.get(module)
         if sensor is None:
-            sites = tuple(self._register_extra_site(module, kind, "attention") for kind in AttentionKind)
+            sites = tuple(self.registry.add(module, kind, "attention") for kind in AttentionKind)
             sensor = self.attention_sensors[module] = AttentionSensor(
                 module, sites, thresholds=self.config.thresholds, sampler=self.sampler, injector=self.injector,
                 clock=self.clock, records=self.attention_records,
@@ -255,7 +289,7 @@ class Guard:
         }
         self.fingerprints = FingerprintChecks(
             self.fingerprint_pool,
-            lambda module, kind: self._register_extra_site(module, kind, "fingerprint"),
+            lambda module, kind: self.registry.add(module, kind, "fingerprint"),
             lambda kind, name: self.sampler.probability_for(name, probability[kind]),
             self.sampler.should_check,
             fp.calibration_checks,
@@ -288,10 +322,7 @@ class Guard:
         raise KeyError(f"no protected site named {site_name!r}")
 
     def _site_id(self, site_name: str) -> int:
-        for site in self.extra_sites:
-            if site.name == site_name:
-                return site.id
-        return self.sensor(site_name).site.id
+        return self.registry.id_of(site_name)
 
     def subscribe(self, listener: Listener) -> None:
         """`listener(event, payload)` for events 'alarm' (VTask), 'verdict' (Verdict), 'incident', 'step'."""
@@ -362,10 +393,18 @@ class Guard:
             fingerprint_checks=c["fingerprint_checks"],
             attention_checks=c["attention_checks"],
             not_deterministic=c[VerdictKind.NOT_DETERMINISTIC.value] + c["not_deterministic_calibration"],
-            coverage=self.fingerprints.coverage(),
+            coverage=self._coverage(),
             unattributed=c[VerdictKind.UNATTRIBUTED.value],
             data_false_alarms=sum(s.data_false_alarms for s in self.sensors),
+            checked_flops_fraction=c["checked_flops"] / c["gemm_flops"] if c["gemm_flops"] else 0.0,
         )
+
+    def _coverage(self) -> dict[str, Any]:
+        coverage = self.fingerprints.coverage()
+        for module, reason in self.uncovered_linears.items():
+            for kind in GemmKind:
+                coverage["not_covered"][f"{module}:{kind.value}"] = reason
+        return coverage
 
     def close(self) -> GuardSummary:
         """Verify everything pending, restore the original modules, and finish the store."""
@@ -403,20 +442,62 @@ class Guard:
     def _advance(self) -> None:
         self.clock.step += 1
         self.comm_checks.step = self.clock.step
+        self._begin_plan()
 
-    def _register_extra_site(self, module: str, kind: CommKind | FingerprintKind, op: str) -> Site:
-        """A collective's or fingerprint's site, numbered after the GEMM sites in first-use order (the
-        same on every rank: ranks run the same model and collectives)."""
-        site = Site(len(self.sensors) + len(self.extra_sites), module, kind, op=op)
-        self.extra_sites.append(site)
-        self._new_sites.append(site)
-        return site
+    def _begin_plan(self) -> None:
+        """Draw the step's sampling plan; calibrating sites and sites a fault may hit run checked."""
+        step = self.clock.step
+        calibrating = np.fromiter((s.row.calibrating for s in self.sensors), dtype=bool, count=len(self.sensors))
+        quiet = False
+        if self.budget is not None:
+            quiet = self._plan_budget(bool(calibrating.any()))
+        faulted = None
+        if self.injector:
+            faulted = np.fromiter((self.injector.may_fire(s.site, step) for s in self.sensors), dtype=bool)
+        self.plan.begin(step, calibrating, faulted, quiet=quiet)
+
+    def _plan_budget(self, calibrating: bool) -> bool:
+        """Under `SamplingConfig.budget` (runtime/budget.py): after calibration, a few steps without
+        sampling measure the step, the checks are timed at each site's shape, and the plan fills the
+        budget; the cycle repeats every `replan_steps` steps. True: this step samples nothing."""
+        phase = self.budget.step_begins(calibrating)
+        if self.budget.due():
+            costs = np.array([self._check_cost(s) for s in self.sensors])
+            flops = np.array([s.flops for s in self.sensors])
+            calls = np.repeat(np.asarray(self._last_calls or [1] * self.plan.linears, dtype=np.float64),
+                              GEMMS_PER_LINEAR)  # fmt: skip
+            caps = np.array([self.sampler.probability_for(s.site.name, 1.0) for s in self.sensors])
+            plan = self.budget.replan(flops, calls, costs, caps)
+            if plan is not None:
+                self.plan.set_probabilities(plan.probabilities)
+                self._pending_events.append(
+                    ("sampling_plan", f"budget {self.budget.budget:.2%} of a {self.budget.base_ms:.1f} ms step: "
+                     f"{plan.expected_ms:.2f} ms of checks (cost model × {self.budget.scale:.2f}), "
+                     f"{plan.checked_flops_fraction:.1%} of GEMM FLOPs", None)
+                )  # fmt: skip
+        return phase == "quiet"
+
+    @property
+    def budget_plan(self) -> BudgetPlan | None:
+        return self.budget.plan if self.budget is not None else None
+
+    def _check_cost(self, sensor: GemmSensor) -> float:
+        if sensor.shape is None or sensor.dtype is None:
+            return 0.0  # never called: nothing to time, and nothing its checks would cost
+        key = (sensor.site.kind.value, sensor.shape, sensor.dtype, sensor.col_check, sensor.triton)
+        cost = self._check_costs.get(key)
+        if cost is None:
+            cost = self._check_costs[key] = check_cost_ms(
+                sensor.site.kind.value, sensor.shape, sensor.dtype, self._device, col_check=sensor.col_check,
+                triton=sensor.triton, tiling=self._tiling,
+            )  # fmt: skip
+        return cost
 
     def _register_comm_site(self, name: str, kind: CommKind) -> Site:
         key = f"{name}:{kind.value}"
         site = self.comm_sites.get(key)
         if site is None:
-            site = self.comm_sites[key] = self._register_extra_site(name, kind, kind.value)
+            site = self.comm_sites[key] = self.registry.add(name, kind, kind.value)
             self._comm_slot[site.id] = len(self._comm_slot) % COMM_SLOTS
         return site
 
@@ -424,10 +505,29 @@ class Guard:
         """Fault injection into a collective's result on this rank: a flipped bit in one element."""
         self.injector.flip_tensor_bit(site, step, 0, result, salt=0xC0)
 
+    # -- the step end at optimizer.step() (runtime/gate.py) ------------------------------------------
     def _optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.end_step()
+        if self.gate.reapplying:
+            return
+        self._require_open()
+        gated = self.config.gate_optimizer and gateable(optimizer, self._device)
+        collected = self._collect(gate=gated)
+        if collected.gate is None or collected.fp_records or collected.alarmed_on_host():
+            # Fingerprint replays and reference-path alarms are judged on the host, before the update.
+            self._conclude(collected, drain=False)
+            return
+        collected.held_found_inf = self.gate.hold(optimizer, collected.gate)
+        self._collected = collected
 
     def _optimizer_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.gate.reapplying:
+            return
+        collected, self._collected = self._collected, None
+        if collected is not None:
+            self.gate.release(optimizer, collected.held_found_inf)
+            report = self._conclude(collected, drain=False)  # may raise: the update stays held back
+            if report.alarms:  # the gate held the update back; the verdicts let it through
+                self.gate.reapply(optimizer, args, kwargs)
         self._advance()
 
     def _after_call(self) -> None:
@@ -439,13 +539,31 @@ class Guard:
             listener(event, payload)
 
     def _process(self, *, drain: bool) -> StepReport:
-        step = self.clock.step
-        report = StepReport(step)
+        return self._conclude(self._collect(gate=False), drain=drain)
+
+    def _collect(self, *, gate: bool) -> Collected:
+        """Take what the step recorded and start its evidence on the way to the host (nothing waits)."""
         records = list(self.recorder)
         self.recorder.clear()
+        for swap in self._swaps:  # compiled forwards whose backward never came (see ops/linear_op.py)
+            swap.checked.aegis_hooks.pending.clear()
         comm_records = self.comm_checks.take()
-        fp_records = self.fingerprints.take()
-        synced, comm_values = self._read_step(records, comm_records)
+        attention, self.attention_records[:] = list(self.attention_records), []
+        collected = step_evidence.collect(
+            self.clock.step, records, comm_records, max_ratios(comm_records) if comm_records else None,
+            self.fingerprints.take(), attention, self.fingerprint_pool.device_buffers(), gate=gate,
+        )  # fmt: skip
+        self.device_state.end_step()  # fresh slots and pools: their contents are copied or queued
+        return collected
+
+    def _conclude(self, collected: Collected, *, drain: bool) -> StepReport:
+        """Wait for the step's evidence; judge, verify, record and respond."""
+        step = collected.step
+        report = StepReport(step)
+        records, comm_records, fp_records = collected.records, collected.comm_records, collected.fp_records
+        started = time.perf_counter()
+        synced, comm_values = step_evidence.read(collected, self.fingerprint_pool)
+        self.host_wait_ms += (time.perf_counter() - started) * 1000.0
         report.checks = len(records)
         evidence_of: dict[int, Evidence] = {}
 
@@ -469,7 +587,7 @@ class Guard:
                     CommCapture(record, [self.identity.rank], self.dist.ranks if self.dist else [self.identity.rank]),
                 )  # fmt: skip
             self._comm_values[self._comm_slot[record.site.id]] = value
-        attention, self.attention_records[:] = list(self.attention_records), []
+        attention = collected.attention
         self.counts["attention_checks"] += len(attention)
         for record in attention:
             evidence = AttentionSensor.judge(record)
@@ -554,105 +672,17 @@ class Guard:
                 task.payload.ranks_failed = failed.get(self._comm_slot[task.site.id], task.payload.ranks_failed)
                 task.payload.exchanged = True
 
-    def _read_step(self, records: list[CallRecord], comm_records: list) -> tuple[list[list[float]], list[float]]:
-        """The one host sync of the step: every checked call's evidence, every collective's check and
-        every fingerprint, in one transfer per device."""
-        reference = [i for i, r in enumerate(records) if r.raw is None]
-        triton = [i for i, r in enumerate(records) if r.raw is not None]
-        wanted = []
-        if reference:
-            wanted.append(torch.stack([records[i].stats for i in reference]))
-        if triton:
-            wanted.append(torch.stack([records[i].raw for i in triton]))
-        if comm_records:
-            wanted.append(max_ratios(comm_records))
-        fingerprint_rows = self.fingerprint_pool.device_buffers()
-        host = to_host(wanted + fingerprint_rows)
-        self.fingerprint_pool.resolve(host[len(wanted) :])
-        host = host[: len(wanted)]
-        synced: list[list[float] | None] = [None] * len(records)
-        if reference:
-            for i, row in zip(reference, host.pop(0).tolist(), strict=True):
-                synced[i] = row
-        if triton:
-            for i, row in zip(triton, host.pop(0).tolist(), strict=True):
-                synced[i] = records[i].finish_triton(row)
-        comm_values = host.pop(0).tolist() if comm_records else []
-        self.device_state.end_step()
-        return synced, comm_values  # type: ignore[return-value]
-
     def _record(self, report: StepReport) -> None:
-        step = report.step
-        store = self.store
-        with store.transaction(durable=bool(report.incidents)):
-            if self._new_sites:
-                store.write_sites(self._new_sites)
-                self._new_sites = []
-            for kind, message, site_id in report.events:
-                store.write_event(kind, message, step=step, site_id=site_id)
-            for warning in report.warnings:
-                # each rank's store keeps the warnings naming it; a disagreement, its lowest rank's
-                if warning.store_rank == self.identity.rank:
-                    store.write_event("rank_outlier", warning.describe(), step=warning.step,
-                                      site_id=warning.site.id, data=warning.to_dict())  # fmt: skip
-            store.write_step(
-                step,
-                checks=report.checks,
-                alarms=len(report.alarms),
-                verified=len(report.verdicts),
-                backlog=self.verifier.backlog,
-                verify_ms=report.verify_ms,
-            )
-            rows = []
-            for sensor in self.sensors:
-                st = sensor.take_step_stats()
-                if st.calls:
-                    rows.append(
-                        (
-                            step,
-                            sensor.site.id,
-                            st.calls,
-                            st.checks,
-                            st.alarms,
-                            st.faults,
-                            st.nonfinite,
-                            st.max_row if st.checks else None,
-                            st.max_col if st.checks and sensor.col_check else None,
-                            _finite(sensor.row.current),
-                            _finite(sensor.col.current) if sensor.col_check else None,
-                            int(sensor.row.calibrating),
-                        )
-                    )
-            store.write_step_stats(rows)
-            for task in report.alarms:
-                store.write_vtask(task)
-            for verdict in report.verdicts:
-                store.write_verdict(verdict, step)
-                if verdict.kind is VerdictKind.UNATTRIBUTED:
-                    store.write_event("unattributed_sdc", f"{verdict.site.name}: {verdict.detail}",
-                                      step=verdict.step, site_id=verdict.site.id)  # fmt: skip
-                if verdict.kind is VerdictKind.NONFINITE_INPUT:
-                    store.write_event(
-                        "nonfinite_input",
-                        f"NaN/Inf in the inputs of {verdict.site.name}: reported, not an SDC",
-                        step=verdict.step,
-                        site_id=verdict.site.id,
-                    )
-            for incident in report.incidents:
-                store.write_incident(incident)
-            for injection in self.injector.log[self._injections_written :]:
-                store.write_event(
-                    "fault_injected",
-                    f"{injection.fault.describe()} into {injection.site}",
-                    step=injection.step,
-                    site_id=self._site_id(injection.site),
-                    data={"call": injection.call, "model": injection.fault.model},
-                )
-            self._injections_written = len(self.injector.log)
-
-
-def _finite(value: float) -> float | None:
-    return value if value != float("inf") else None
+        report.events.extend(self._pending_events)
+        self._pending_events.clear()
+        calls = self.plan.take_counts()  # the calls of each Linear, checked or not
+        if any(calls):
+            self._last_calls = calls
+        flops = self.step_recorder.record(report, calls, backlog=self.verifier.backlog)
+        self.counts["gemm_flops"] += flops.total
+        self.counts["checked_flops"] += flops.checked
+        if flops.total:
+            self.last_checked_flops_fraction = flops.checked / flops.total
 
 
 def _versions() -> dict[str, str]:

@@ -42,6 +42,10 @@ class FaultInjector:
             found = self._matches[site_name] = tuple(s for s in self.specs if s.matches(site_name, self.rank))
         return found
 
+    def may_fire(self, site, step: int) -> bool:
+        """Whether some call of `site` may get a fault at `step` (the step plan then runs it checked)."""
+        return any(spec.may_fire(step) for spec in self.specs_for(site.name))
+
     def fire(self, site, step: int, call: int, median_l2: float | None) -> Injection | None:
         """The fault planned for this call, or None. `site` is an events.Site.
 

@@ -102,6 +102,12 @@ class FaultSpec:
     def matches(self, site_name: str, rank: int = 0) -> bool:
         return fnmatch.fnmatchcase(site_name, self.site) and (not self.ranks or rank in self.ranks)
 
+    def may_fire(self, step: int) -> bool:
+        """Whether any call at `step` may fire (`fires` decides per call)."""
+        if self.steps:
+            return step in self.steps
+        return self.start_step <= step and (self.stop_step is None or step < self.stop_step)
+
     def fires(self, site_id: int, step: int, call_in_step: int) -> bool:
         if self.steps:
             return call_in_step == 0 and step in self.steps

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -85,6 +86,9 @@ class AttentionRouter:
              **kwargs):  # fmt: skip
         """`F.scaled_dot_product_attention`, checked for the protected model's supported calls."""
         original = self._original
+        if torch.compiler.is_compiling():  # the checked attention is an eager-mode op for now
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa, **kwargs)  # fmt: skip
 
         def fallback():
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,

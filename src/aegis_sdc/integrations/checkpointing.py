@@ -103,10 +103,15 @@ class RecomputeChecker:
     def install(self) -> None:
         self._original = torch_checkpoint.checkpoint
         torch_checkpoint.checkpoint = self.checkpoint
+        # Functions bound before any guard (checkpoint_wrapper, HF's partials) hold torch's own
+        # checkpoint, also when another guard's checker is installed below this one.
+        torch_own = self._original
+        while isinstance(getattr(torch_own, "__self__", None), RecomputeChecker):
+            torch_own = torch_own.__self__._original
         for module in self.model.modules():
             for attribute in BOUND_CHECKPOINT_ATTRIBUTES:
                 fn = getattr(module, attribute, None)
-                if isinstance(fn, functools.partial) and fn.func is self._original:
+                if isinstance(fn, functools.partial) and fn.func in (self._original, torch_own):
                     self._wrappers.append((module, attribute, fn))
                     setattr(module, attribute, functools.partial(self.checkpoint, *fn.args, **fn.keywords))
 
@@ -132,7 +137,9 @@ class RecomputeChecker:
     def checkpoint(self, function, *args, use_reentrant: bool | None = None, **kwargs):
         """`torch.utils.checkpoint.checkpoint` with the recompute check (same arguments)."""
         original = self._original or torch_checkpoint.checkpoint
-        if use_reentrant is not False or not torch.is_grad_enabled() or self.closed:
+        # Under torch.compile the compiler owns recomputation (the check runs in eager mode only).
+        compiling = torch.compiler.is_compiling()
+        if use_reentrant is not False or not torch.is_grad_enabled() or self.closed or compiling:
             return original(function, *args, use_reentrant=use_reentrant, **kwargs)
         state = self.checks.site(self.segment_name(function), FingerprintKind.RECOMPUTE)
         step = self.clock.step
@@ -288,8 +295,8 @@ class SavedTensorChecker:
     def _root_enter(self, module, args) -> None:
         # The model's own forward begins: hook saved tensors if this step is sampled, and name them
         # by the module running (hooks on the submodules for this forward only).
-        if self.active or not torch.is_grad_enabled():
-            return
+        if self.active or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return  # (saved-tensor hooks are an eager-mode check)
         if not self.checks.should_check(self.probability, SAVED_STEP_SITE, self.clock.step, 0):
             return
         self.active = True

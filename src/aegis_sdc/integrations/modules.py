@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aegis_sdc.ops import linear_op
 from aegis_sdc.ops.checked_linear import CheckedLinearFunction, LinearHooks
 
 LinearFilter = Callable[[str, nn.Linear], bool]
@@ -26,6 +27,7 @@ class CheckedLinear(nn.Linear):
 
     aegis_name: str
     aegis_hooks: LinearHooks
+    aegis_handle: int  # its hooks in ops/linear_op.py's registry (the compiled path)
 
     @classmethod
     def wrap(cls, linear: nn.Linear, name: str, hooks: LinearHooks) -> CheckedLinear:
@@ -33,9 +35,19 @@ class CheckedLinear(nn.Linear):
         checked.__dict__.update(linear.__dict__)  # shares _parameters, _buffers, _modules, hook dicts
         object.__setattr__(checked, "aegis_name", name)
         object.__setattr__(checked, "aegis_hooks", hooks)
+        object.__setattr__(checked, "aegis_handle", linear_op.register(hooks))
         return checked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._compiled(x)
+        hooks = self.aegis_hooks
+        plans = hooks.plans_for_call(x, self.weight)
+        if plans is None:  # not sampled in this step: exactly nn.Linear
+            return F.linear(x, self.weight, self.bias)
+        return self._checked(x, plans)
+
+    def _checked(self, x: torch.Tensor, plans: tuple) -> torch.Tensor:
         weight, bias = self.weight, self.bias
         _validate(self.aegis_name, x, weight, self.in_features)
         device_type = x.device.type
@@ -52,9 +64,24 @@ class CheckedLinear(nn.Linear):
         if x.numel() == 0 or self.in_features == 0 or self.out_features == 0:
             return F.linear(x, weight, bias)  # nothing to check: no products are summed
         x2d = x.reshape(-1, self.in_features)
+        gap = self.aegis_hooks.gpu_gap(x2d, weight)
+        if gap is not None:
+            self.aegis_hooks.uncovered(self.aegis_name, gap)
+            return F.linear(x, weight, bias)
         # The parameter itself (detached: same storage and version counter) keys the weight-stats cache
         # when `weight` is an autocast copy.
-        y = CheckedLinearFunction.apply(x2d, weight, bias, self.aegis_hooks, self.weight.detach())
+        y = CheckedLinearFunction.apply(x2d, weight, bias, self.aegis_hooks, self.weight.detach(), plans)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _compiled(self, x: torch.Tensor) -> torch.Tensor:
+        """Under torch.compile: one opaque custom op; the decisions are taken inside it at run time."""
+        weight, bias = self.weight, self.bias
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        y = torch.ops.aegis_sdc.linear(x.reshape(-1, self.in_features), weight, bias, self.aegis_handle)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -120,5 +147,6 @@ def swap_linears(model: nn.Module, chosen: list[tuple[str, nn.Linear]], make_hoo
 
 def restore_linears(swaps: list[Swap]) -> None:
     for swap in reversed(swaps):
+        linear_op.unregister(swap.checked.aegis_handle)
         if getattr(swap.parent, swap.attr, None) is swap.checked:
             setattr(swap.parent, swap.attr, swap.original)

@@ -29,6 +29,7 @@ multiplied), so operands are upcast to fp32 after loading there (UPCAST); loads/
 
 from __future__ import annotations
 
+import math
 import os
 
 import triton
@@ -621,6 +622,28 @@ class CapturePool:
         )
 
 
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A scratch buffer reused by every launch: the partials are written and consumed by the
+    launches of one call, in stream order, before any later call's GEMM can overwrite them (the
+    checked GEMMs of a process run on one stream at a time, as a training step's do). Nothing reads
+    them after the call: captures copy what they keep, and by-products are reduced into new tensors
+    right after the launch (`GemmLaunch.byproducts`). One flat buffer per name, grown to the largest
+    shape seen: variable sequence lengths do not pile up buffers."""
+    numel = math.prod(shape)
+    key = (device, name, dtype)
+    buffer = _WORKSPACES.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _WORKSPACES[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel].view(shape)
+
+
+def _fresh(device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 @dataclasses.dataclass
 class GemmLaunch:
     """What one launch produced besides C (partials are per tile; see the module docstring)."""
@@ -664,6 +687,7 @@ def launch_checked_gemm(
     evidence: bool = True,
     byproducts: bool = True,
     cfg: TritonGemmConfig | None = None,
+    scratch: bool = False,
 ) -> GemmLaunch:
     """C = A·B into `out` [M, N] (row-major) with the requested checks; see the module docstring.
 
@@ -672,6 +696,9 @@ def launch_checked_gemm(
     A's column sums (`col_side_kernel`). `stats` (int64 [STATS_LEN], zero) and `counters` (int32,
     at least one, zero) are needed for evidence. `pid_base` and `ranges` (the original
     tile counts) let a replay recompute a tile exactly. Nothing here synchronizes with the host.
+    `scratch`: the partials live in buffers shared by all launches (`_workspace`), for callers that
+    read nothing of the returned `GemmLaunch` but `byproducts()` right away (the training step);
+    without it they are fresh tensors the caller may keep.
     """
     cfg = cfg or default_config()
     m, n = out.shape
@@ -683,20 +710,21 @@ def launch_checked_gemm(
     f32 = torch.float32
     col_post = col_check and u1 is None
     col_side = col_check and not col_post
-    row_part = torch.empty(tiles_n, m, dtype=f32, device=dev) if row_check else None
-    out_part = torch.empty(tiles_n, m, dtype=f32, device=dev) if row_check else None
-    col_part = torch.empty(tiles_m, n, dtype=f32, device=dev) if col_check else None
     f64 = torch.float64
-    rowvec = torch.empty(4, tiles_n, m, dtype=f64, device=dev) if row_side else None
-    colvec = torch.empty(2, tiles_m, n, dtype=f64, device=dev) if col_side else None
-    acol = torch.empty(tiles_m, 2, k, dtype=f64, device=dev) if col_post else None
+    buffer = _workspace if scratch else _fresh
+    row_part = buffer(dev, "row_part", (tiles_n, m), f32) if row_check else None
+    out_part = buffer(dev, "out_part", (tiles_n, m), f32) if row_check else None
+    col_part = buffer(dev, "col_part", (tiles_m, n), f32) if col_check else None
+    rowvec = buffer(dev, "rowvec", (4, tiles_n, m), f64) if row_side else None
+    colvec = buffer(dev, "colvec", (2, tiles_m, n), f64) if col_side else None
+    acol = buffer(dev, "acol", (tiles_m, 2, k), f64) if col_post else None
     evidence = evidence and (row_check or col_side)
     if evidence and (stats is None or counters is None):
         raise ValueError("evidence needs a zeroed stats slot and counters")
     if capture != CAPTURE_NONE and pool is None:
         raise ValueError("a capture needs a CapturePool")
-    dummy = torch.empty(1, dtype=f32, device=dev)
-    stats_slot = stats if stats is not None else torch.empty(STATS_LEN, dtype=torch.int64, device=dev)
+    dummy = _workspace(dev, "dummy", (1,), f32)
+    stats_slot = stats if stats is not None else _workspace(dev, "stats", (STATS_LEN,), torch.int64)
     a_desc = TensorDescriptor.from_tensor(a, [bk, bm] if a_t else [bm, bk])
     b_desc = TensorDescriptor.from_tensor(b, [bn, bk] if b_t else [bk, bn])
     c_desc = TensorDescriptor.from_tensor(out, [bm, bn])

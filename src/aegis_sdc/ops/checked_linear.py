@@ -31,11 +31,20 @@ from aegis_sdc.ops.gemm_replay import GemmOperands
 
 
 class GemmSensorHooks(Protocol):
+    site: Any  # events.Site: its id indexes the step plan
     col_check: bool
 
-    def plan(self) -> Any | None: ...
+    def plan(self, call: int, sampled: bool) -> Any | None: ...
 
     def observe(self, plan: Any, operands: GemmOperands, result: Any) -> None: ...
+
+
+class StepPlanLike(Protocol):
+    """runtime.plan.StepPlan, as the op sees it."""
+
+    def take(self, linear: int) -> int | None: ...
+
+    def checked(self, site: int, call: int) -> bool: ...
 
 
 @dataclass
@@ -74,24 +83,19 @@ class PlanTracer:
         if trace is not None and trace.cursor is None:
             trace.plans.append(plan)
 
-    def plans_for(self, hooks: LinearHooks, needs_dx: bool, needs_dw: bool) -> tuple[Any, Any, Any]:
-        if self.replaying:
-            fwd, dgrad, wgrad = self.next_replayed()
-            # dgrad/wgrad plans of a recomputation never run: they only shape the forward kernel
-            # (by-products), exactly as in the original forward.
-            silent = (
-                None
-                if fwd is None
-                else dataclasses.replace(fwd, check=False, injection=None, fault_needs_scale=False, silent=True)
-            )
-            return silent, dgrad, wgrad
-        plans = (
-            hooks.forward.plan(),
-            hooks.dgrad.plan() if needs_dx else None,
-            hooks.wgrad.plan() if needs_dw else None,
+    def replayed(self) -> tuple[Any, Any, Any] | None:
+        """The next recorded plans of a recomputation (None: the call ran unchecked)."""
+        plans = self.next_replayed()
+        if plans is None:
+            return None
+        fwd, dgrad, wgrad = plans
+        # dgrad/wgrad plans of a recomputation never run; the forward is replayed silently.
+        silent = (
+            None
+            if fwd is None
+            else dataclasses.replace(fwd, check=False, injection=None, fault_needs_scale=False, silent=True)
         )
-        self.record(plans)
-        return plans
+        return silent, dgrad, wgrad
 
 
 @dataclass
@@ -108,6 +112,54 @@ class LinearHooks:
     weight_stats: triton_linear.WeightStats = field(default_factory=triton_linear.WeightStats)
     counters: dict = field(default_factory=dict)  # GEMM kind → int32 counters of the Triton kernel
     tracer: PlanTracer = field(default_factory=PlanTracer)
+    plan: StepPlanLike | None = None  # the guard's step plan; this Linear's index in it
+    index: int = 0
+    uncovered: Callable[[str, str], None] = lambda name, reason: None  # (site module, why) on a GPU gap
+
+    pending: list = field(default_factory=list)  # compiled calls awaiting their backward (ops/linear_op.py)
+
+    def plans_for_call(
+        self, x: torch.Tensor, weight: torch.Tensor, backward: bool | None = None
+    ) -> tuple[Any, Any, Any] | None:
+        """The (forward, dgrad, wgrad) plans of this call, or None when it runs as a plain `F.linear`.
+        `backward`: whether dgrad and wgrad follow (None: as autograd will tell from the inputs).
+
+        Inside a checkpointed segment the plans are recorded in call order, and a recomputation
+        replays them: it must take the same path as the forward did (see SegmentTrace)."""
+        tracer = self.tracer
+        if tracer.current is not None and tracer.replaying:
+            return tracer.replayed()
+        call = self.plan.take(self.index)
+        plans = None if call is None else self._plans(call, x, weight, backward)
+        if tracer.current is not None:
+            tracer.record(plans)
+        return plans
+
+    def _plans(
+        self, call: int, x: torch.Tensor, weight: torch.Tensor, backward: bool | None
+    ) -> tuple[Any, Any, Any] | None:
+        grad = torch.is_grad_enabled()
+        needs_dx = backward if backward is not None else grad and x.requires_grad
+        needs_dw = backward if backward is not None else grad and weight.requires_grad
+        plan = self.plan
+        plans = (
+            self.forward.plan(call, plan.checked(self.forward.site.id, call)),
+            self.dgrad.plan(call, plan.checked(self.dgrad.site.id, call)) if needs_dx else None,
+            self.wgrad.plan(call, plan.checked(self.wgrad.site.id, call)) if needs_dw else None,
+        )
+        return None if plans == (None, None, None) else plans
+
+    def gpu_gap(self, x2d: torch.Tensor, weight: torch.Tensor) -> str | None:
+        """Why this CUDA call cannot be checked (None: it can). With backend "auto" such a call runs
+        unchecked — never the tile-by-tile reference path, which reads its evidence on the host per
+        call — and its site is named in the coverage report."""
+        if self.backend != "auto" or x2d.device.type != "cuda":
+            return None
+        for t in (x2d, weight):
+            reason = triton_linear.unsupported(t)
+            if reason is not None:
+                return reason
+        return None
 
     def use_triton(self, x2d: torch.Tensor, weight: torch.Tensor) -> bool:
         if self.backend == "reference" or self.state is None:
@@ -152,69 +204,89 @@ def run_gemm(
     return result.out
 
 
+@dataclass
+class LinearCall:
+    """What one checked call of a Linear carries from its forward to its backward."""
+
+    hooks: LinearHooks
+    plans: tuple[Any, Any, Any]
+    source: torch.Tensor  # the parameter (detached): keys the weight statistics
+    triton: bool = False
+    x_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # X·1, ‖X_m‖² when the forward made them
+
+
+def linear_forward(
+    call: LinearCall, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Y = X·Wᵀ + b for a planned call (its forward GEMM checked or not, as planned)."""
+    hooks = call.hooks
+    with torch.autocast(x2d.device.type, enabled=False):
+        if hooks.use_triton(x2d, weight):
+            call.triton = True
+            out = _triton_forward(call, x2d, weight, bias)
+        else:
+            out = run_gemm(
+                hooks.forward, call.plans[0], x2d, weight.t(), bias, out_dtype=x2d.dtype, tiling=hooks.tiling,
+                fast=lambda: F.linear(x2d, weight, bias),
+            )  # fmt: skip
+    hooks.after_call()
+    return out
+
+
+def linear_backward(
+    call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, needs_dx: bool, needs_dw: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dX, dW) of a planned call, each GEMM checked or not as planned at forward time."""
+    hooks = call.hooks
+    _, dgrad_plan, wgrad_plan = call.plans
+    dx = dw = None
+    with torch.autocast(dy.device.type, enabled=False):
+        if call.triton and triton_linear.usable(dy.contiguous()):
+            dx, dw = _triton_backward(call, dy.contiguous(), x2d, weight, needs_dx, needs_dw)
+        else:
+            if needs_dx:
+                dx = run_gemm(
+                    hooks.dgrad, dgrad_plan, dy, weight, None, out_dtype=x2d.dtype, tiling=hooks.tiling,
+                    fast=lambda: dy.mm(weight),
+                )  # fmt: skip
+            if needs_dw:
+                dy_t = dy.t()
+                dw = run_gemm(
+                    hooks.wgrad, wgrad_plan, dy_t, x2d, None, out_dtype=weight.dtype, tiling=hooks.tiling,
+                    fast=lambda: dy_t.mm(x2d),
+                )  # fmt: skip
+    hooks.after_call()
+    return dx, dw
+
+
 class CheckedLinearFunction(torch.autograd.Function):
-    """Y = X·Wᵀ + b over a 2-D input X [M, K]; see the module docstring for dgrad and wgrad."""
+    """Y = X·Wᵀ + b over a 2-D input X [M, K] in eager mode; see the module docstring for dgrad and
+    wgrad (ops/linear_op.py is the same as a torch.library op, for torch.compile)."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, hooks: LinearHooks, source: torch.Tensor):
-        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        plans = hooks.tracer.plans_for(hooks, needs_dx, needs_dw)
-        ctx.plans, ctx.hooks, ctx.has_bias, ctx.source = plans, hooks, bias is not None, source
-        ctx.x_stats = None
-        with torch.autocast(x2d.device.type, enabled=False):
-            if hooks.use_triton(x2d, weight):
-                ctx.triton = True
-                out = _triton_forward(ctx, x2d, weight, bias)
-            else:
-                ctx.triton = False
-                out = run_gemm(
-                    hooks.forward,
-                    plans[0],
-                    x2d,
-                    weight.t(),
-                    bias,
-                    out_dtype=x2d.dtype,
-                    tiling=hooks.tiling,
-                    fast=lambda: F.linear(x2d, weight, bias),
-                )
+    def forward(ctx, x2d, weight, bias, hooks: LinearHooks, source: torch.Tensor, plans: tuple[Any, Any, Any]):
+        ctx.call, ctx.has_bias = LinearCall(hooks, plans, source), bias is not None
+        out = linear_forward(ctx.call, x2d, weight, bias)
         ctx.save_for_backward(x2d, weight)
-        hooks.after_call()
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy: torch.Tensor):
         x2d, weight = ctx.saved_tensors
-        hooks: LinearHooks = ctx.hooks
-        _, dgrad_plan, wgrad_plan = ctx.plans
-        dx = dw = db = None
-        with torch.autocast(dy.device.type, enabled=False):
-            if ctx.triton and triton_linear.usable(dy.contiguous()):
-                dx, dw = _triton_backward(ctx, dy.contiguous(), x2d, weight)
-            else:
-                if ctx.needs_input_grad[0]:
-                    dx = run_gemm(
-                        hooks.dgrad, dgrad_plan, dy, weight, None, out_dtype=x2d.dtype, tiling=hooks.tiling,
-                        fast=lambda: dy.mm(weight),
-                    )  # fmt: skip
-                if ctx.needs_input_grad[1]:
-                    dy_t = dy.t()
-                    dw = run_gemm(
-                        hooks.wgrad, wgrad_plan, dy_t, x2d, None, out_dtype=weight.dtype, tiling=hooks.tiling,
-                        fast=lambda: dy_t.mm(x2d),
-                    )  # fmt: skip
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy.sum(dim=0)
-        hooks.after_call()
-        return dx, dw, db, None, None
+        dx, dw = linear_backward(ctx.call, dy, x2d, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        db = dy.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None
 
 
-def _triton_forward(ctx, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    hooks: LinearHooks = ctx.hooks
-    fwd_plan, _, wgrad_plan = ctx.plans
-    if fwd_plan is None and wgrad_plan is None:
+def _triton_forward(
+    call: LinearCall, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    hooks: LinearHooks = call.hooks
+    fwd_plan, _, wgrad_plan = call.plans
+    if fwd_plan is None:  # a checked wgrad takes X·1 and ‖X_m‖² in its own pass (_triton_backward)
         return F.linear(x2d, weight, bias)
-    col_sum, col_sq, _, _ = hooks.weight_stats.get(weight, ctx.source, hooks.state.epoch)
+    col_sum, col_sq, _, _ = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
     m, n = x2d.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
     result = triton_linear.run(
@@ -234,24 +306,28 @@ def _triton_forward(ctx, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         counters=hooks.counters_for("fwd", m, n, x2d.device),
         state=hooks.state,
         weight_stats=lambda w: triton_linear.WeightStats.compute(w)[0],
-        byproducts=wgrad_plan is not None,
+        # Always: one kernel variant per site, compiled while calibration checks every call — a
+        # variant first needed after calibration (sampled forward, unsampled wgrad) would compile
+        # mid-run. The by-products are two more sums in the reference-side loop already running.
+        byproducts=True,
     )
     if wgrad_plan is not None:
-        ctx.x_stats = result.byproducts()  # X·1, ‖X_m‖²: the wgrad's c and β
+        call.x_stats = result.byproducts()  # X·1, ‖X_m‖²: the wgrad's c and β
     return out
 
 
-def _triton_backward(ctx, dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor):
-    hooks: LinearHooks = ctx.hooks
-    _, dgrad_plan, wgrad_plan = ctx.plans
+def _triton_backward(call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, needs_dx: bool,
+                     needs_dw: bool):  # fmt: skip
+    hooks: LinearHooks = call.hooks
+    _, dgrad_plan, wgrad_plan = call.plans
     wgrad_cols = wgrad_plan is not None and hooks.wgrad.col_check
     dx = dw = None
     dy_stats = None
-    if ctx.needs_input_grad[0]:
-        if dgrad_plan is None and not wgrad_cols:
+    if needs_dx:
+        if dgrad_plan is None:  # a column-checked wgrad takes dY·1, ‖dY_m‖² in its own pass
             dx = dy.mm(weight)
         else:
-            _, _, row_sum, row_sq = hooks.weight_stats.get(weight, ctx.source, hooks.state.epoch)
+            _, _, row_sum, row_sq = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
             m, n = dy.shape[0], weight.shape[1]
             dx = torch.empty(m, n, dtype=x2d.dtype, device=dy.device)
             result = triton_linear.run(
@@ -271,16 +347,16 @@ def _triton_backward(ctx, dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Ten
                 counters=hooks.counters_for("dgrad", m, n, dy.device),
                 state=hooks.state,
                 weight_stats=lambda w: triton_linear.WeightStats.compute(w)[2],
-                byproducts=wgrad_cols,
+                byproducts=hooks.wgrad.col_check,  # as for the forward: one variant per site
             )
             if wgrad_cols:
                 dy_stats = result.byproducts()  # dY·1, ‖dY_m‖²: the wgrad's column side
-    if ctx.needs_input_grad[1]:
+    if needs_dw:
         if wgrad_plan is None:
             dw = dy.t().mm(x2d)
         else:
-            if ctx.x_stats is None:  # the forward ran elsewhere (e.g. on another backend)
-                ctx.x_stats = triton_linear.row_stats(x2d)
+            if call.x_stats is None:  # the forward was not checked: one pass over X
+                call.x_stats = triton_linear.row_stats(x2d)
             if wgrad_cols and dy_stats is None:  # no dgrad ran: one pass over dY for the column side
                 dy_stats = triton_linear.row_stats(dy)
             m, n = dy.shape[1], x2d.shape[1]
@@ -294,8 +370,8 @@ def _triton_backward(ctx, dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Ten
                 a_t=True,
                 b_t=False,
                 bias=None,
-                cvec=ctx.x_stats[0],
-                beta=ctx.x_stats[1],
+                cvec=call.x_stats[0],
+                beta=call.x_stats[1],
                 u1=dy_stats[0] if wgrad_cols else None,
                 u2=dy_stats[1] if wgrad_cols else None,
                 col_check=wgrad_cols,

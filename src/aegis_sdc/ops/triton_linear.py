@@ -104,20 +104,27 @@ class WeightStats:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the Triton path can take these operands (device, dtype, TMA alignment).
-
-    A 2-D operand [R, C] yields outputs whose rows have R or C elements, so both must give 16-byte
-    aligned rows (a weight [N, K] makes forward outputs [M, N] and dgrad outputs [M, K])."""
+    """Whether the Triton path can take these operands (device, dtype, TMA alignment)."""
     for t in tensors:
         if t.device.type != "cuda" and not tg.INTERPRET:
             return False
-        # fp32 on a GPU: tl.dot would round the operands to tf32, whose products are not exact, and
-        # fp32 tiles do not fit the Hopper configuration; fp32 layers take the reference path.
-        if t.device.type == "cuda" and t.dtype not in (torch.bfloat16, torch.float16):
-            return False
-        if not tg.tma_compatible(t) or (t.shape[0] * t.element_size()) % 16:
+        if unsupported(t) is not None:
             return False
     return True
+
+
+def unsupported(t: torch.Tensor) -> str | None:
+    """Why the Triton kernel cannot take this operand (None: it can).
+
+    A 2-D operand [R, C] yields outputs whose rows have R or C elements, so both must give 16-byte
+    aligned rows (a weight [N, K] makes forward outputs [M, N] and dgrad outputs [M, K])."""
+    # fp32 on a GPU: tl.dot would round the operands to tf32, whose products are not exact, and
+    # fp32 tiles do not fit the Hopper configuration.
+    if t.device.type == "cuda" and t.dtype not in (torch.bfloat16, torch.float16):
+        return f"{t.dtype} operands (the GPU kernels take bf16/fp16)"
+    if not tg.tma_compatible(t) or (t.shape[0] * t.element_size()) % 16:
+        return f"an operand of shape {tuple(t.shape)} whose rows are not 16-byte aligned (TMA)"
+    return None
 
 
 def row_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +215,7 @@ def run(
         fault=_fault_args(fault),
         byproducts=byproducts,
         cfg=cfg,
+        scratch=True,
     )
     if plan is not None:
         call = TritonGemmCall(

@@ -165,8 +165,7 @@ class GemmSensor:
     ) -> None:
         self.site = site
         self.col_check = col_check
-        self.sampler = sampler
-        self.probability = sampler.probability_for(site.name)
+        self.probability = sampler.probability_for(site.name)  # the step plan draws with it
         self.injector = injector
         self.clock = clock
         self.recorder = recorder
@@ -179,9 +178,11 @@ class GemmSensor:
         # (alarms that end otherwise than as false alarms are never looked up again)
         self._unusual_data: dict[tuple[int, int], None] = {}
         self.data_false_alarms = 0  # false alarms that left the thresholds alone (see on_false_alarm)
-        self._call_step = -1
-        self._calls_in_step = 0
         self.step_stats = SiteStepStats()
+        self.flops = 0.0  # 2·M·N·K of the last call seen (checked): the site's weight in FLOP coverage
+        self.shape: tuple[int, int, int] | None = None  # (M, K, N) of that call
+        self.dtype: torch.dtype | None = None  # and its operands' dtype, and whether Triton ran it
+        self.triton = False
         # Under FSDP2 the unsharded weight a capture would reference is freed after the module has
         # run (resharding), before the step's verification: captures then copy it (Guard.attach_fsdp).
         self.copy_referenced = False
@@ -194,15 +195,12 @@ class GemmSensor:
         return statistics.median(self._clean_l2)
 
     # -- hot path ---------------------------------------------------------------------------------
-    def plan(self) -> CallPlan | None:
+    def plan(self, call: int, sampled: bool) -> CallPlan | None:
+        """The plan of call `call` of this site in the current step; `sampled` is the step plan's
+        draw (runtime/plan.py). None: the GEMM runs unchecked and nothing is recorded."""
         step = self.clock.step
-        if step != self._call_step:
-            self._call_step, self._calls_in_step = step, 0
-        call = self._calls_in_step
-        self._calls_in_step += 1
-        self.step_stats.calls += 1
         injection = self.injector.fire(self.site, step, call, self.median_l2) if self.injector else None
-        check = self.row.calibrating or self.sampler.should_check(self.probability, self.site.id, step, call)
+        check = sampled or self.row.calibrating
         if injection is not None:
             self.step_stats.faults += 1
         if not check and injection is None:
@@ -212,6 +210,8 @@ class GemmSensor:
 
     def thresholds(self, m: int, k: int, n: int) -> tuple[float, float]:
         """The thresholds in force for a call of shape C[M, N] = A[M, K]·B[K, N]."""
+        if self.shape != (m, k, n):
+            self.shape, self.flops = (m, k, n), 2.0 * m * k * n
         if self.row.hard_bound == math.inf:  # first call: the exact worst case guards calibration
             self.row.hard_bound = self.row.current = worst_case_bound(k, n)
             self.col.hard_bound = self.col.current = worst_case_bound(k, m)
@@ -230,6 +230,7 @@ class GemmSensor:
     def observe(self, plan: CallPlan, operands: GemmOperands, result: GemmChecksums) -> None:
         if not self._executed(plan):
             return  # a fault fired on an unsampled call: it corrupts training unseen
+        self.dtype, self.triton = operands.a.dtype, False
         m, k = operands.a.shape
         thresholds = self.thresholds(m, k, operands.b.shape[1])
         stats = evidence_stats(result, *thresholds)
@@ -240,6 +241,9 @@ class GemmSensor:
         """A Triton launch planned by this sensor; its evidence stays on the device until step end."""
         if not self._executed(plan):
             return
+        self.triton = True
+        if call is not None:
+            self.dtype = call.dtype
         if self.copy_referenced and call is not None:
             # Whether the call alarms is known at the step's end, after FSDP2 has freed the weight:
             # keep a copy of what a rows capture would reference (one pass over the weight per check).

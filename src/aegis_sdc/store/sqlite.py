@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA_V1 = """
 CREATE TABLE run (
@@ -88,7 +88,13 @@ CREATE INDEX study_metrics_metric ON study_metrics(metric, scope, step);
 """
 
 # Migrations from version N-1 to N, applied in order. Version 1 is the first schema.
-_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
+# v3: the GEMM FLOPs of each step and how many of them were checked (sampling's coverage per step)
+_SCHEMA_V3 = """
+ALTER TABLE steps ADD COLUMN gemm_flops REAL NOT NULL DEFAULT 0;
+ALTER TABLE steps ADD COLUMN checked_flops REAL NOT NULL DEFAULT 0;
+"""
+
+_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3}
 
 
 class StoreError(RuntimeError):
@@ -199,13 +205,18 @@ class Store:
             )
 
     # A step may be flushed more than once (inference loops, full buffers): rows accumulate.
-    def write_step(self, step: int, *, checks: int, alarms: int, verified: int, backlog: int, verify_ms: float) -> None:
+    def write_step(
+        self, step: int, *, checks: int, alarms: int, verified: int, backlog: int, verify_ms: float,
+        gemm_flops: float = 0.0, checked_flops: float = 0.0,
+    ) -> None:  # fmt: skip
         self.conn.execute(
-            "INSERT INTO steps (step, wall, checks, alarms, verified, backlog, verify_ms) VALUES (?,?,?,?,?,?,?)"
+            "INSERT INTO steps (step, wall, checks, alarms, verified, backlog, verify_ms, gemm_flops, checked_flops)"
+            " VALUES (?,?,?,?,?,?,?,?,?)"
             " ON CONFLICT(step) DO UPDATE SET wall = excluded.wall, checks = checks + excluded.checks,"
             " alarms = alarms + excluded.alarms, verified = verified + excluded.verified,"
-            " backlog = excluded.backlog, verify_ms = verify_ms + excluded.verify_ms",
-            (step, time.time(), checks, alarms, verified, backlog, verify_ms),
+            " backlog = excluded.backlog, verify_ms = verify_ms + excluded.verify_ms,"
+            " gemm_flops = gemm_flops + excluded.gemm_flops, checked_flops = checked_flops + excluded.checked_flops",
+            (step, time.time(), checks, alarms, verified, backlog, verify_ms, gemm_flops, checked_flops),
         )
 
     def write_step_stats(self, rows: Iterable[tuple]) -> None:
@@ -432,6 +443,24 @@ def read_verdict_counts(run_dir: str | os.PathLike) -> dict[str, int]:
         for kind, n in conn.execute("SELECT kind, COUNT(*) FROM verdicts GROUP BY kind"):
             counts[kind] = counts.get(kind, 0) + n
     return counts
+
+
+def read_coverage(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """How much of the GEMM work was checked: over all steps and ranks, and the range per step."""
+    total = checked = 0.0
+    fractions: list[float] = []
+    for _, conn in _each_rank(run_dir):
+        if "gemm_flops" not in {row[1] for row in conn.execute("PRAGMA table_info(steps)")}:
+            continue  # written before schema v3
+        for gemm, done in conn.execute("SELECT gemm_flops, checked_flops FROM steps WHERE gemm_flops > 0"):
+            total, checked = total + gemm, checked + done
+            fractions.append(done / gemm)
+    return {
+        "steps": len(fractions),
+        "checked_flops_fraction": checked / total if total else None,
+        "per_step_min": min(fractions, default=None),
+        "per_step_max": max(fractions, default=None),
+    }
 
 
 def read_study(path: str | os.PathLike) -> dict[str, Any]:

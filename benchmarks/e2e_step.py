@@ -1,0 +1,230 @@
+"""What protection costs a whole training step on the GPU, against the unprotected step in the same run.
+
+Workloads: Hugging Face `LlamaForCausalLM` at the TinyLlama-1.1B shape (hidden 2048, 22 layers, GQA
+32/4, SwiGLU 5632, vocab 32000) and the project's own Llama workload; bf16 weights,
+`AdamW(fused=True)`, 4 × 2048 tokens per step. Configs: unprotected; protected with nothing sampled
+after calibration (p = 0); protected within a 1% budget; every GEMM checked. Each config is a real
+`protect()` of its own copy of the model (same seed), calibrated before timing; rounds are
+interleaved so that clock and thermal drift hit every config alike. Per step: CUDA events around
+forward, backward and optimizer step (synchronized each step), and the host's own time to enqueue the
+step — a step whose host time exceeds its GPU time is host-bound.
+
+    python benchmarks/e2e_step.py [--workloads hf,own] [--modes eager,compiled] [--rounds 5] [--steps 6]
+                                  [--profile DIR] [--resume] [--out benchmarks/results/e2e_step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import gpu_environment, write_result  # benchmarks/ is the script's directory
+
+import aegis_sdc as aegis
+from aegis_sdc.workloads.llama import Llama, LlamaConfig, lm_loss
+
+BATCH, SEQ = 4, 2048
+HF_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                num_key_value_heads=4, vocab_size=32000, max_position_embeddings=SEQ)  # fmt: skip
+OWN_SHAPE = LlamaConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=32, n_kv_heads=4, hidden_dim=5632,
+                        max_seq_len=SEQ)  # fmt: skip
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+CALIBRATION_STEPS = 18  # every site's 16 calibration checks, and two steps to settle
+CONFIGS: dict[str, aegis.SamplingConfig | None] = {
+    "unprotected": None,
+    "p0": aegis.SamplingConfig(probability=0.0),
+    "budget_1pct": aegis.SamplingConfig(budget=0.01),
+    "full": aegis.SamplingConfig.every_call(),
+}
+
+
+@dataclasses.dataclass
+class Runner:
+    """One config's model, optimizer and guard, and its timings."""
+
+    label: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step_fn: Any
+    guard: aegis.Guard | None
+    gpu_ms: list[float] = dataclasses.field(default_factory=list)
+    host_ms: list[float] = dataclasses.field(default_factory=list)
+    checked_fraction: list[float] = dataclasses.field(default_factory=list)
+
+    def step(self, batch: torch.Tensor, record: bool) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        waited = self.guard.host_wait_ms if self.guard is not None else 0.0
+        host0 = time.perf_counter()
+        start.record()
+        self.step_fn(self.model, batch)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        end.record()
+        # the host's own work: its time to enqueue the step, less the time it waited for the device
+        host = (time.perf_counter() - host0) * 1000.0 - ((self.guard.host_wait_ms - waited) if self.guard else 0.0)
+        torch.cuda.synchronize()
+        if record:
+            self.gpu_ms.append(start.elapsed_time(end))
+            self.host_ms.append(host)
+            if self.guard is not None:
+                self.checked_fraction.append(self.guard.last_checked_flops_fraction)
+
+
+def hf_model() -> tuple[torch.nn.Module, Any]:
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(HFLlamaConfig(**HF_SHAPE, attn_implementation="sdpa"))
+
+    def step_fn(model, batch):
+        model(input_ids=batch, labels=batch).loss.backward()
+
+    return model, step_fn
+
+
+def own_model() -> tuple[torch.nn.Module, Any]:
+    model = Llama(OWN_SHAPE)
+
+    def step_fn(model, batch):
+        lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+
+    return model, step_fn
+
+
+def make_runner(label: str, workload: str, compiled: bool) -> Runner:
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # initialize on the device: seconds instead of a minute per copy
+        model, step_fn = (hf_model if workload == "hf" else own_model)()
+    model = model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    guard = None
+    sampling = CONFIGS[label]
+    if sampling is not None:
+        config = aegis.GuardConfig(run_dir=tempfile.mkdtemp(prefix=f"e2e-{workload}-{label}-"), sampling=sampling)
+        guard = aegis.protect(model, optimizer=optimizer, config=config)
+    if compiled:
+        model = torch.compile(model)
+    return Runner(label, model, optimizer, step_fn, guard)
+
+
+def run_workload(workload: str, args: argparse.Namespace, compiled: bool) -> dict[str, Any]:
+    vocab = HF_SHAPE["vocab_size"]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, vocab, (BATCH, SEQ), device="cuda", generator=gen) for _ in range(8)]
+    runners = [make_runner(label, workload, compiled) for label in args.configs]
+    for runner in runners:  # calibration (and compilation) before anything is timed
+        started = time.perf_counter()
+        for i in range(CALIBRATION_STEPS):
+            runner.step(batches[i % len(batches)], record=False)
+        print(f"{workload}{' compiled' if compiled else ''} {runner.label}: warm-up "
+              f"{time.perf_counter() - started:.1f} s", flush=True)  # fmt: skip
+    for r in range(args.rounds):
+        for runner in runners:
+            runner.step(batches[r % len(batches)], record=False)  # re-warm after the other configs
+            for i in range(args.steps):
+                runner.step(batches[(r + i) % len(batches)], record=True)
+    if args.profile is not None and not compiled:
+        profile(workload, runners, batches[0], args.profile)
+    rows = {}
+    for runner in runners:
+        summary = runner.guard.close() if runner.guard is not None else None
+        rows[runner.label] = {
+            "gpu_ms_median": statistics.median(runner.gpu_ms),
+            "host_ms_median": statistics.median(runner.host_ms),
+            "gpu_ms": runner.gpu_ms,
+            "host_ms": runner.host_ms,
+            "checked_flops_fraction": statistics.mean(runner.checked_fraction) if runner.checked_fraction else None,
+            "summary": summary.to_dict() if summary is not None else None,
+        }
+        row = rows[runner.label]
+        print(f"{workload}{' compiled' if compiled else ''} {runner.label:12s} gpu {row['gpu_ms_median']:8.2f} ms"
+              f"  host {row['host_ms_median']:8.2f} ms", flush=True)  # fmt: skip
+    del runners
+    torch.cuda.empty_cache()
+    return rows
+
+
+def profile(workload: str, runners: list[Runner], batch: torch.Tensor, out: Path) -> None:
+    """torch.profiler over two steps of each protected config: top kernels, launches, host time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for runner in runners:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                runner.step(batch, record=False)
+        events = prof.key_averages()
+        kernels = sorted((e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"),
+                         key=lambda e: -e.device_time_total)  # fmt: skip
+        gpu_total = sum(e.device_time_total for e in kernels) / 2 / 1000
+        launches = (
+            sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")) / 2
+        )
+        lines.append(f"== {workload} {runner.label}: GPU kernel time {gpu_total:.1f} ms/step, "
+                     f"{launches:.0f} launches/step")  # fmt: skip
+        for e in kernels[:15]:
+            lines.append(f"  {e.device_time_total / 2 / 1000:8.2f} ms  {e.count // 2:6d}×  {e.key[:90]}")
+    (out / f"e2e_step_profile_{workload}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def overheads(rows: dict[str, Any]) -> dict[str, float]:
+    base = rows["unprotected"]["gpu_ms_median"]
+    return {label: row["gpu_ms_median"] / base - 1.0 for label, row in rows.items() if label != "unprotected"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="hf,own")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--modes", default="eager", help="eager and/or compiled (torch.compile'd models)")
+    parser.add_argument("--resume", action="store_true", help="keep the workloads already in --out")
+    parser.add_argument("--profile", type=Path, default=None, help="write a torch.profiler summary here")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "e2e_step.json")
+    args = parser.parse_args()
+    args.configs = args.configs.split(",")
+    rows: dict[str, Any] = {}
+    if args.resume and args.out.exists():
+        rows = json.loads(args.out.read_text())["rows"]
+    for workload in args.workloads.split(","):
+        for mode in args.modes.split(","):
+            key = workload if mode == "eager" else f"{workload}_compiled"
+            if key not in rows:
+                rows[key] = run_workload(workload, args, compiled=mode == "compiled")
+    summary: dict[str, Any] = {}
+    for suffix, key in (("", "hf"), ("_compiled", "hf_compiled")):
+        if key not in rows:
+            continue
+        over = overheads(rows[key])
+        summary |= {
+            f"overhead_p0{suffix}": over.get("p0"),
+            f"overhead_budget_1pct{suffix}": over.get("budget_1pct"),
+            f"checked_gemm_flops_budget_1pct{suffix}": rows[key].get("budget_1pct", {}).get("checked_flops_fraction"),
+            f"overhead_full{suffix}": over.get("full"),
+        }
+    summary["confirmed_clean"] = sum(
+        (row["summary"] or {}).get("confirmed", 0) for workload in rows.values() for row in workload.values()
+    )
+    summary["host_bound_configs"] = [
+        f"{w}:{label}" for w, configs in rows.items() for label, row in configs.items()
+        if row["host_ms_median"] >= row["gpu_ms_median"]
+    ]  # fmt: skip
+    env = gpu_environment(batch=BATCH, seq=SEQ, hf_shape=HF_SHAPE, own_shape=dataclasses.asdict(OWN_SHAPE),
+                          optimizer="AdamW(fused=True)", dtype="bf16", rounds=args.rounds,
+                          steps=args.steps)  # fmt: skip
+    write_result(args.out, env, rows, summary, overheads={w: overheads(r) for w, r in rows.items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""What a check adds to a GEMM, timed on the device: the input of sampling to an overhead budget.
+
+For a site of shape C[M, N] = A[M, K]·B[K, N] in its orientation (forward, dgrad or wgrad) the
+checked launch — the path the training step takes when the site is sampled — is timed against the
+unchecked GEMM (cuBLAS on a GPU, the plain matmul on the CPU) on random operands of that shape;
+forward and dgrad also pay the per-step weight statistics of their weight, wgrad the passes over
+its operands that give its reference side when the forward and dgrad were not checked. The difference, never
+below zero, is the check's cost. Timings are medians over a few runs after a warm-up, with CUDA
+events on a GPU (nothing but this measurement synchronizes) and the wall clock on the CPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from aegis_sdc.kernels import triton_gemm as tg
+from aegis_sdc.kernels.reference import Tiling, checked_gemm
+from aegis_sdc.ops.triton_linear import WeightStats, row_stats
+
+ORIENTATION = {"fwd": (False, True), "dgrad": (False, False), "wgrad": (True, False)}  # (A stored ᵀ, B stored ᵀ)
+WARMUP, REPEATS = 2, 7
+TIMED_ELEMENTS = 1 << 26  # 128 MiB of bf16 per timed operand
+
+
+def _median_ms(fn: Callable[[], object], device: torch.device) -> float:
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(REPEATS):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - started) * 1000.0)
+    return statistics.median(times)
+
+
+def check_cost_ms(
+    kind: str, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, *, col_check: bool, triton: bool,
+    tiling: Tiling,
+) -> float:  # fmt: skip
+    """Milliseconds a checked call of this site adds over an unchecked one (see the module docstring)."""
+    m, k, n = shape
+    # Time at most TIMED_ELEMENTS per token-sized operand (a 128K-vocabulary lm_head at 16K tokens
+    # would need gigabytes at the user's peak memory) and scale: GEMM time is linear in the tokens.
+    tokens = k if kind == "wgrad" else m
+    width = max(m, n) if kind == "wgrad" else max(k, n)
+    timed = min(tokens, max(256, TIMED_ELEMENTS // max(width, 1)))
+    if kind == "wgrad":
+        k = timed
+    else:
+        m = timed
+    a_t, b_t = ORIENTATION[kind]
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn((k, m) if a_t else (m, k), generator=gen, device=device).to(dtype)
+    b = torch.randn((n, k) if b_t else (k, n), generator=gen, device=device).to(dtype)
+    a_log = a.t() if a_t else a  # the logical A [M, K] and B [K, N]
+    b_log = b.t() if b_t else b
+    plain = _median_ms(lambda: a_log @ b_log, device)
+    extra = 0.0
+    if triton and kind != "wgrad":  # the weight is B (stored [N, K] in forward, [K, N] in dgrad)
+        extra = _median_ms(lambda: WeightStats.compute(b), device)
+    if triton and kind == "wgrad":  # X·1, ‖X_m‖² and dY·1, ‖dY_m‖²: a pass over each operand when
+        extra = _median_ms(lambda: (row_stats(a), row_stats(b)), device)  # no checked GEMM made them
+    if triton:
+        out = torch.empty(m, n, dtype=dtype, device=device)
+        cvec = torch.randn(k, generator=gen, device=device, dtype=torch.float64)
+        beta = cvec.float().square()
+        u1 = cvec if kind == "wgrad" and col_check else None
+        u2 = beta if kind == "wgrad" and col_check else None
+        stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=device)
+        cfg = tg.default_config()
+        counters = torch.zeros(-(-m // cfg.block_m) + -(-n // cfg.block_n) + 1, dtype=torch.int32, device=device)
+
+        def checked() -> None:
+            tg.launch_checked_gemm(
+                a, b, out, a_t=a_t, b_t=b_t, cvec=cvec, beta=beta, u1=u1, u2=u2, row_check=True, row_side=True,
+                col_check=col_check, stats=stats, counters=counters, byproducts=kind != "wgrad", cfg=cfg, scratch=True,
+            )  # fmt: skip
+    else:
+
+        def checked() -> None:
+            checked_gemm(a_log, b_log, out_dtype=dtype, col_check=col_check, tiling=tiling)
+
+    return max(0.0, _median_ms(checked, device) + extra - plain) * tokens / timed

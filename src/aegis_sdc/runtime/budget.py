@@ -1,0 +1,147 @@
+"""Sampling to an overhead budget (AEGIS §6): which sites to check, and how often, for a step that
+may grow by at most `budget` × its unprotected time.
+
+Given per site its FLOPs per call f, calls per step c and the measured cost of one check e (ms,
+ops/cost.py), choose probabilities p to maximize the checked FLOPs Σ p·c·f subject to
+Σ p·c·e ≤ budget × step time and p_floor ≤ p ≤ cap. That is a fractional knapsack: after every
+site's rotation floor (checked about once per `rotation_steps` steps), sites are raised to their
+cap in order of FLOPs per millisecond of check, the last one partly. If even the floors do not fit,
+all floors shrink alike. The step time the budget is a fraction of is measured on steps run without
+sampling (`BudgetController`), and what the plan really cost corrects the cost model each cycle.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    probabilities: np.ndarray  # [sites]
+    allowed_ms: float  # checking time the plan may spend per step
+    expected_ms: float  # what it is expected to spend
+    checked_flops_fraction: float  # expected share of the step's GEMM FLOPs checked
+
+
+def plan_budget(
+    flops: np.ndarray, calls: np.ndarray, cost_ms: np.ndarray, caps: np.ndarray, *, allowed_ms: float,
+    rotation_steps: int,
+) -> BudgetPlan:  # fmt: skip
+    """Probabilities per site (all arrays [sites]; see the module docstring)."""
+    calls = np.maximum(calls, 1.0)
+    per_step_cost = calls * cost_ms  # ms if the site were checked at every call
+    floor = np.minimum(caps, 1.0 / (rotation_steps * calls))
+    floor_ms = float((floor * per_step_cost).sum())
+    if floor_ms > allowed_ms:
+        p = floor * (allowed_ms / floor_ms if floor_ms > 0 else 0.0)
+    else:
+        p = floor.copy()
+        left = allowed_ms - floor_ms
+        value = np.where(per_step_cost > 0, calls * flops / np.maximum(per_step_cost, 1e-12), np.inf)
+        for site in np.argsort(-value, kind="stable"):
+            room = caps[site] - p[site]
+            if room <= 0:
+                continue
+            if per_step_cost[site] <= 0:
+                p[site] = caps[site]  # a free check (measured no slower): take it
+                continue
+            take = min(room, left / per_step_cost[site])
+            if take <= 0:
+                break
+            p[site] += take
+            left -= take * per_step_cost[site]
+    total = float((calls * flops).sum())
+    checked = float((p * calls * flops).sum())
+    return BudgetPlan(p, allowed_ms, float((p * per_step_cost).sum()), checked / total if total else 0.0)
+
+
+class StepTimer:
+    """Step times from events recorded at each step's start, read without waiting: an interval is
+    taken once the GPU has passed its closing event (CUDA), or from the wall clock (CPU). Each
+    interval carries the tag given when it began."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._last: tuple[object, str] | None = None
+        self._open: deque = deque()
+        self.times_ms: dict[str, list[float]] = {}
+
+    def mark(self, tag: str) -> None:
+        """A step begins (and the previous one ends); `tag` names the kind of the step beginning."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        else:
+            event = time.perf_counter()
+        if self._last is not None:
+            self._open.append((*self._last, event))
+        self._last = (event, tag)
+        while self._open and (self.device.type != "cuda" or self._open[0][2].query()):
+            start, kind, end = self._open.popleft()
+            ms = start.elapsed_time(end) if self.device.type == "cuda" else (end - start) * 1000.0
+            self.times_ms.setdefault(kind, []).append(ms)
+
+    def take(self, tag: str) -> list[float]:
+        """The finished intervals of this kind, forgotten once taken."""
+        return self.times_ms.pop(tag, [])
+
+
+QUIET_STEPS = 3  # steps run without sampling to measure the step itself, before each plan
+
+
+@dataclass
+class BudgetController:
+    """When to plan, and from what: a cycle of `QUIET_STEPS` unsampled steps (the step's own time)
+    followed by `replan_steps` steps under the plan (its real cost). The cost model — each site's
+    timed check cost — is scaled by what the last cycle actually cost against what the plan
+    expected, so that costs the micro-timings miss (caches, the step-end work) are paid for from
+    the budget too."""
+
+    budget: float
+    rotation_steps: int
+    replan_steps: int
+    timer: StepTimer
+    plan: BudgetPlan | None = None
+    scale: float = 1.0  # measured / predicted cost of the last cycle, compounded
+    base_ms: float | None = None
+    _phase: str = "calibrating"
+    _left: int = 0
+
+    def step_begins(self, calibrating: bool) -> str:
+        """The kind of the step beginning: "calibrating", "quiet" (no sampling) or "busy" (the plan)."""
+        if calibrating:
+            phase = "calibrating"
+        elif self._phase in ("calibrating",) or (self._phase == "busy" and self._left <= 0):
+            phase, self._left = "quiet", QUIET_STEPS
+        elif self._phase == "quiet" and self._left <= 0:
+            phase, self._left = "busy", self.replan_steps
+        else:
+            phase = self._phase
+        self._left -= 1
+        self._phase = phase
+        self.timer.mark(phase)
+        return phase
+
+    def due(self) -> bool:
+        """Whether the quiet steps of this cycle are measured: time to (re)plan."""
+        return self._phase == "busy" and self._left == self.replan_steps - 1
+
+    def replan(self, flops, calls, cost_ms, caps) -> BudgetPlan | None:
+        quiet, busy = self.timer.take("quiet"), self.timer.take("busy")
+        if not quiet:
+            return None
+        base = statistics.median(quiet)
+        if self.plan is not None and busy and self.plan.expected_ms > 0:
+            spent = statistics.median(busy) - base
+            if spent > 0:
+                self.scale = float(np.clip(self.scale * np.clip(spent / self.plan.expected_ms, 0.5, 4.0), 0.25, 16.0))
+        self.base_ms = base
+        self.plan = plan_budget(flops, calls, cost_ms * self.scale, caps, allowed_ms=self.budget * base,
+                                rotation_steps=self.rotation_steps)  # fmt: skip
+        return self.plan

@@ -1,0 +1,123 @@
+"""The step's sampling plan: which calls of which GEMM sites run checked, decided once per step.
+
+A protected Linear owns three GEMM sites (forward, dgrad, wgrad; Linear i has sites 3i, 3i+1, 3i+2).
+When a step begins, the plan draws for all sites at once whether call c of each site is checked — a
+pure function of (seed, site id, step, call), so every data-parallel rank draws the same — and marks
+Linear i *active* for call c when any of its three GEMMs is checked or forced (its thresholds are
+calibrating), or when a fault may fire in it. An inactive call runs `F.linear` and nothing else: `take()` — a
+list lookup and a counter — is the whole cost of protection on it.
+
+Calls beyond the first of a step (gradient accumulation, several forwards) are drawn when first
+needed, again for all sites at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from aegis_sdc.hashing import unit_hash_array
+
+SAMPLING_SALT = 0x5A3D  # the salt of Sampler.should_check: both draw the same decisions
+GEMMS_PER_LINEAR = 3
+
+
+class StepPlan:
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.step = -1
+        self._probabilities: list[float] = []  # per GEMM site
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._p = np.zeros(0)
+        self._forced = np.zeros(0, dtype=bool)
+        self._faulted = np.zeros(0, dtype=bool)  # [Linears]
+        self._quiet = False
+        self._checked: dict[int, np.ndarray] = {}  # call → [sites] bool
+        self._active: dict[int, list[bool]] = {}  # call → [Linears]
+        self._active_first: list[bool] = []
+        self.calls: list[int] = []  # calls of each Linear in this step
+        self._reported: list[int] = []  # calls already handed to the store this step
+
+    @property
+    def linears(self) -> int:
+        return len(self._probabilities) // GEMMS_PER_LINEAR
+
+    def add_linear(self, probabilities: tuple[float, float, float]) -> int:
+        """Register a Linear's three sites (site ids must follow in this order); returns its index."""
+        self._probabilities.extend(float(p) for p in probabilities)
+        self._ids = np.arange(len(self._probabilities), dtype=np.int64)
+        self._p = np.asarray(self._probabilities, dtype=np.float64)
+        self._forced = np.zeros(len(self._probabilities), dtype=bool)
+        self.calls.append(0)
+        self._reported.append(0)
+        return self.linears - 1
+
+    def set_probabilities(self, probabilities: np.ndarray) -> None:
+        """New per-site probabilities (the budget sampler); they apply from the next `begin`."""
+        probabilities = np.asarray(probabilities, dtype=np.float64)
+        if probabilities.shape != self._p.shape:
+            raise ValueError(f"expected {self._p.shape[0]} probabilities, got {probabilities.shape}")
+        self._p = np.clip(probabilities, 0.0, 1.0)
+        self._probabilities = self._p.tolist()
+
+    @property
+    def probabilities(self) -> np.ndarray:
+        return self._p.copy()
+
+    def begin(
+        self, step: int, calibrating: np.ndarray | None = None, faulted: np.ndarray | None = None, quiet: bool = False
+    ) -> None:
+        """Start `step`. [sites] bool masks: `calibrating` sites are checked at every call; a Linear
+        with a `faulted` site (a fault may fire) takes the planned path at every call, checked or
+        not, so that the fault is applied (an unsampled call then corrupts training unseen). A `quiet`
+        step samples nothing (the budget measures the step itself on such steps)."""
+        self.step = step
+        self._quiet = quiet
+        none = np.zeros(self._p.shape, dtype=bool)
+        self._forced = none if calibrating is None else np.asarray(calibrating, dtype=bool)
+        faulted = none if faulted is None else np.asarray(faulted, dtype=bool)
+        self._faulted = faulted.reshape(-1, GEMMS_PER_LINEAR).any(axis=1)
+        self._checked.clear()
+        self._active.clear()
+        self.calls = [0] * self.linears
+        self._reported = [0] * self.linears
+        self._active_first = self._active_at(0)
+
+    # -- hot path -----------------------------------------------------------------------------------
+    def take(self, linear: int) -> int | None:
+        """Count a call of Linear `linear`: its call index when active, None when it runs unchecked."""
+        call = self.calls[linear]
+        self.calls[linear] = call + 1
+        active = self._active_first if call == 0 else self._active_at(call)
+        return call if active[linear] else None
+
+    def checked(self, site: int, call: int) -> bool:
+        """Whether call `call` of GEMM site `site` is sampled for a check in this step."""
+        return bool(self._checked_at(call)[site])
+
+    # -- per step -----------------------------------------------------------------------------------
+    def _checked_at(self, call: int) -> np.ndarray:
+        row = self._checked.get(call)
+        if row is None:
+            if self._quiet:
+                row = self._checked[call] = self._forced.copy()
+            else:
+                drawn = unit_hash_array(self.seed, SAMPLING_SALT, self._ids, self.step, call) < self._p
+                row = self._checked[call] = drawn | self._forced
+        return row
+
+    def _active_at(self, call: int) -> list[bool]:
+        active = self._active.get(call)
+        if active is None:
+            checked = self._checked_at(call).reshape(-1, GEMMS_PER_LINEAR).any(axis=1)
+            active = self._active[call] = (checked | self._faulted).tolist()
+        return active
+
+    def take_counts(self) -> list[int]:
+        """Calls of each Linear since the last take (a flush within a step, or the step's end)."""
+        counts = [c - r for c, r in zip(self.calls, self._reported, strict=True)]
+        self._reported = list(self.calls)
+        return counts
+
+    def expected_checks(self) -> np.ndarray:
+        """[sites] the probability that a call of each site is checked (calibrating sites: 1)."""
+        return np.where(self._forced, 1.0, self._p)

@@ -1,0 +1,366 @@
+"""The hot path: the per-step sampling plan, unsampled calls as plain `F.linear`, sampling to a
+budget, and (GPU) the gated step end — no host sync in forward/backward, no waiting before the
+optimizer, a held-back update on an alarm."""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+
+import numpy as np
+import pytest
+import torch
+from tests.helpers import MEDIUM, guard_config, small_workload, train
+
+import aegis_sdc as aegis
+from aegis_sdc.hashing import unit_hash, unit_hash_array
+from aegis_sdc.ops import checked_linear
+from aegis_sdc.ops.transfer import start_to_host
+from aegis_sdc.runtime.budget import plan_budget
+from aegis_sdc.runtime.plan import StepPlan
+from aegis_sdc.sensors.sampling import Sampler
+from aegis_sdc.workloads.llama import Llama, lm_loss
+
+
+def test_vectorized_hash_equals_the_scalar_one():
+    ids = np.arange(300)
+    assert unit_hash_array(7, 0x5A3D, ids, 11, 2).tolist() == [unit_hash(7, 0x5A3D, int(i), 11, 2) for i in ids]
+
+
+def test_the_step_plan_draws_what_the_sampler_draws_for_every_call():
+    plan, sampler = StepPlan(seed=3), Sampler(0.3, (), seed=3)
+    for _ in range(4):
+        plan.add_linear((0.3, 0.3, 0.3))
+    for step in range(20):
+        plan.begin(step)
+        for call in range(3):
+            drawn = [plan.checked(site, call) for site in range(12)]
+            assert drawn == [sampler.should_check(0.3, site, step, call) for site in range(12)]
+            for linear in range(4):
+                taken = plan.take(linear)
+                assert (taken is not None) == any(drawn[3 * linear : 3 * linear + 3])
+                assert taken in (None, call)
+    assert plan.take_counts() == [3, 3, 3, 3] and plan.take_counts() == [0, 0, 0, 0]
+
+
+def test_calibrating_sites_are_checked_and_faulted_linears_take_the_planned_path():
+    plan = StepPlan(seed=0)
+    plan.add_linear((0.0, 0.0, 0.0))
+    plan.add_linear((0.0, 0.0, 0.0))
+    plan.begin(5, calibrating=np.array([False, True, False, False, False, False]),
+               faulted=np.array([False, False, False, False, False, True]))  # fmt: skip
+    assert plan.checked(1, 0) and not plan.checked(0, 0) and not plan.checked(5, 0)
+    assert plan.take(0) == 0 and plan.take(1) == 0  # linear 1: not checked, but its fault must fire
+
+
+def test_unsampled_calls_never_enter_the_checked_op(tmp_path, monkeypatch):
+    entered = []
+    original = checked_linear.CheckedLinearFunction.apply
+    monkeypatch.setattr(checked_linear.CheckedLinearFunction, "apply", lambda *a: entered.append(1) or original(*a))
+    model, data, optimizer = small_workload()
+    config = guard_config(tmp_path, sampling=aegis.SamplingConfig(probability=0.0),
+                          thresholds=aegis.ThresholdConfig(calibration_checks=2))  # fmt: skip
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    train(model, data, optimizer, 3)  # calibration: 2 checked steps
+    calibrating = len(entered)
+    train(model, data, optimizer, 5)
+    summary = guard.close()
+    assert calibrating == 2 * 8 and len(entered) == calibrating  # 8 Linears; nothing after calibration
+    assert summary.checks == 2 * 8 * 3 and summary.confirmed == 0
+
+
+def test_the_store_counts_every_call_and_the_checked_flops(tmp_path):
+    model, data, optimizer = small_workload()
+    sampling = aegis.SamplingConfig(probability=0.5, seed=1)
+    config = guard_config(tmp_path, sampling=sampling, thresholds=aegis.ThresholdConfig(calibration_checks=1))
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    train(model, data, optimizer, 6)
+    summary = guard.close()
+    conn = sqlite3.connect(next((tmp_path / "run").glob("*.sqlite")))
+    calls = conn.execute("SELECT step, SUM(calls), SUM(checks) FROM step_stats GROUP BY step").fetchall()
+    flops = conn.execute("SELECT step, gemm_flops, checked_flops FROM steps ORDER BY step").fetchall()
+    assert all(total == 24 for _, total, _ in calls)  # 8 Linears × 3 GEMMs, each called once per step
+    assert flops[0][2] == flops[0][1] > 0  # calibration: everything checked
+    later = [checked / total for _, total, checked in flops[1:] if total]  # close() adds an empty row
+    assert all(0.0 <= f < 1.0 for f in later) and 0.0 < summary.checked_flops_fraction < 1.0
+
+
+def test_the_budget_plan_fills_the_budget_by_flops_per_millisecond():
+    flops = np.array([100.0, 100.0, 1000.0, 10.0])
+    cost = np.array([1.0, 2.0, 1.0, 1.0])  # ms per check
+    calls = np.ones(4)
+    plan = plan_budget(flops, calls, cost, np.ones(4), allowed_ms=1.5, rotation_steps=100)
+    p = plan.probabilities
+    assert plan.expected_ms == pytest.approx(1.5)
+    # floors 0.01 each (0.05 ms), then the best FLOPs per ms first: site 2 to 1, site 0 with the rest
+    assert p.tolist() == pytest.approx([0.47, 0.01, 1.0, 0.01])
+    capped = plan_budget(flops, calls, cost, np.array([1.0, 1.0, 0.0, 1.0]), allowed_ms=1.5, rotation_steps=100)
+    assert capped.probabilities[2] == 0.0  # a per-site rule of 0 excludes the site
+    tight = plan_budget(flops, calls, cost, np.ones(4), allowed_ms=0.01, rotation_steps=100)
+    assert tight.expected_ms == pytest.approx(0.01)  # floors shrink alike when even they do not fit
+
+
+def test_a_budget_guard_plans_after_calibration_and_keeps_checking_every_site(tmp_path):
+    model, data, optimizer = small_workload()
+    # the CPU reference path costs several times the plain matmul: half the step buys the floors
+    sampling = aegis.SamplingConfig(budget=0.5, rotation_steps=10, replan_steps=5)
+    config = guard_config(tmp_path, sampling=sampling, thresholds=aegis.ThresholdConfig(calibration_checks=2))
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    train(model, data, optimizer, 12)
+    assert guard.budget_plan is not None
+    p = guard.plan.probabilities
+    assert np.all(p >= 0.1 - 1e-9) and np.all(p <= 1.0)  # rotation floor: once per 10 steps
+    assert guard.budget_plan.expected_ms <= guard.budget_plan.allowed_ms * (1 + 1e-9)
+    summary = guard.close()
+    assert summary.confirmed == 0
+
+
+def test_sampling_config_rejects_a_bad_budget():
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="budget"):
+            aegis.SamplingConfig(budget=bad)
+
+
+def test_pending_transfers_return_what_was_sent():
+    tensors = [torch.arange(5, dtype=torch.int64), torch.tensor([1.5, 2.5]), torch.zeros(0)]
+    out = start_to_host(tensors).wait()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, out, strict=True))
+
+
+# -- GPU ------------------------------------------------------------------------------------------------
+GPU_CFG = dataclasses.replace(MEDIUM, dim=512, hidden_dim=1024, n_heads=8, n_kv_heads=4)
+
+
+def _gpu_run(tmp_path, *, faults=(), policy="warn", probability=1.0, steps=24):
+    torch.manual_seed(0)
+    model = Llama(GPU_CFG).cuda().to(torch.bfloat16)
+    _, data, _ = small_workload(cfg=GPU_CFG, batch=8, seq=128)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    config = guard_config(tmp_path, sampling=aegis.SamplingConfig(probability=probability), faults=faults,
+                          response=aegis.ResponseConfig(policy=policy))  # fmt: skip
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    batches = [tuple(t.cuda() for t in data.batch()) for _ in range(steps)]
+    return model, optimizer, guard, batches
+
+
+@pytest.mark.gpu
+def test_forward_and_backward_never_synchronize(tmp_path):
+    model, optimizer, guard, batches = _gpu_run(tmp_path)
+    for i, (x, y) in enumerate(batches):
+        if i >= 18:  # calibrated: checked calls with evidence, every GEMM
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = lm_loss(model(x), y)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert guard.close().confirmed == 0
+
+
+@pytest.mark.gpu
+def test_a_checked_gemm_allocates_only_its_output(tmp_path):
+    model, optimizer, guard, batches = _gpu_run(tmp_path)
+    for x, y in batches[:18]:  # calibrate, compile every kernel variant, fill the workspaces
+        lm_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    linear = model.layers[0].mlp.up_proj
+    x = torch.randn(8 * 128, GPU_CFG.dim, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.nn.functional.linear(x, linear.weight)  # cuBLAS's workspace, once
+        linear(x)  # the weight statistics of this step: once per weight and step, not per call
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        linear(x)
+        checked = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        torch.nn.functional.linear(x, linear.weight)
+        plain = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    assert checked == plain == 1
+    guard.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_the_gated_optimizer_holds_back_an_alarmed_update(tmp_path, policy):
+    fault = aegis.FaultSpec(site="layers.0.mlp.up_proj:fwd", model="bitflip", bit=30, steps=(20,))
+    model, optimizer, guard, batches = _gpu_run(tmp_path, faults=(fault,), policy=policy)
+    weight = model.layers[0].mlp.up_proj.weight
+    raised = None
+    for step, (x, y) in enumerate(batches):
+        lm_loss(model(x), y).backward()
+        before = weight.detach().clone()
+        try:
+            optimizer.step()
+        except aegis.SilentDataCorruptionError as error:
+            raised = (step, error)
+            break
+        optimizer.zero_grad(set_to_none=True)
+    if policy == "raise":
+        assert raised is not None and raised[0] == 20
+        assert torch.equal(weight.detach(), before)  # the corrupted update never landed
+        guard.close()
+    else:
+        summary = guard.close()
+        assert summary.confirmed == 1 and optimizer.state[weight]["step"].item() == len(batches)  # re-applied
+    (incident,) = guard.incidents
+    assert (incident.site.name, incident.step) == ("layers.0.mlp.up_proj:fwd", 20)
+
+
+@pytest.mark.gpu
+def test_clean_gated_training_confirms_nothing_and_matches_the_waiting_path(tmp_path):
+    results = []
+    for gate in (True, False):
+        model, optimizer, guard, batches = _gpu_run(tmp_path / str(gate), probability=0.5)
+        guard.config = dataclasses.replace(guard.config, gate_optimizer=gate)
+        for x, y in batches:
+            lm_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        summary = guard.close()
+        assert summary.confirmed == 0 and summary.not_verifiable == 0
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+# -- torch.compile ----------------------------------------------------------------------------------------
+def test_the_linear_ops_pass_opcheck(tmp_path):
+    model, _, optimizer = small_workload()
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    linear = model.layers[0].mlp.up_proj
+    x = torch.randn(16, linear.in_features, requires_grad=True)
+    weight = linear.weight.detach().clone().requires_grad_()
+    for bias in (None, torch.randn(linear.out_features, requires_grad=True)):
+        torch.library.opcheck(torch.ops.aegis_sdc.linear.default, (x, weight, bias, linear.aegis_handle))
+    dy = torch.randn(16, linear.out_features)
+    args = (dy, x.detach(), weight.detach(), linear.aegis_handle, True, True)
+    torch.library.opcheck(torch.ops.aegis_sdc.linear_backward.default, args)
+    guard.close()
+
+
+def _compiled_training(tmp_path, *, compile_first: bool, steps: int = 24, faults=()):
+    model, data, optimizer = small_workload()
+    always = tuple((f.site, 1.0) for f in faults)  # a faulted site is checked at every call
+    sampling = aegis.SamplingConfig(probability=0.5, per_site=always)
+    config = guard_config(tmp_path, faults=faults, sampling=sampling,
+                          thresholds=aegis.ThresholdConfig(calibration_checks=4))  # fmt: skip
+    if compile_first:
+        compiled = torch.compile(model, backend="aot_eager")
+        guard = aegis.protect(compiled, optimizer=optimizer, config=config)
+    else:
+        guard = aegis.protect(model, optimizer=optimizer, config=config)
+        compiled = torch.compile(model, backend="aot_eager")
+    train(compiled, data, optimizer, 1)
+    try:  # every later step must reuse the first step's graphs
+        torch._dynamo.config.error_on_recompile = True
+        train(compiled, data, optimizer, steps - 1)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    return model, guard, data
+
+
+def test_a_compiled_protected_model_has_no_graph_break_and_never_recompiles(tmp_path):
+    torch._dynamo.reset()
+    model, guard, data = _compiled_training(tmp_path, compile_first=False, steps=30)
+    explained = torch._dynamo.explain(model)(data.batch()[0])
+    summary = guard.close()
+    assert explained.graph_break_count == 0, explained.break_reasons
+    # 4 calibration steps check everything, then p = 0.5: (4 + 26 / 2) / 30 = 0.57 expected
+    assert summary.confirmed == 0 and 0.45 < summary.checked_flops_fraction < 0.7
+
+
+def test_a_compiled_protected_model_confirms_an_injected_fault(tmp_path):
+    torch._dynamo.reset()
+    fault = aegis.FaultSpec(site="layers.0.attn.wo:wgrad", model="bitflip", bit=29, steps=(20,))
+    _, guard, _ = _compiled_training(tmp_path, compile_first=True, faults=(fault,))
+    guard.close()
+    assert [(i.site.name, i.step, i.verdict.kind) for i in guard.incidents] == [
+        ("layers.0.attn.wo:wgrad", 20, aegis.VerdictKind.CONFIRMED_SDC)
+    ]
+
+
+def test_site_names_do_not_depend_on_compiling_before_protect(tmp_path):
+    names = []
+    for compile_first in (True, False):
+        model, _, optimizer = small_workload()
+        target = torch.compile(model, backend="aot_eager") if compile_first else model
+        guard = aegis.protect(target, optimizer=optimizer, config=guard_config(tmp_path / str(compile_first)))
+        names.append([site.name for site in guard.sites])
+        guard.close()
+    assert names[0] == names[1] and names[0][0] == "layers.0.attn.wq:fwd"
+
+
+@pytest.mark.gpu
+def test_a_compiled_hugging_face_llama_keeps_its_graphs_and_confirms_a_fault(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512, attn_implementation="sdpa")  # fmt: skip
+    ids = torch.randint(0, 512, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def breaks(model) -> int:
+        torch._dynamo.reset()
+        return torch._dynamo.explain(model)(input_ids=ids, labels=ids).graph_break_count
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    unprotected_breaks = breaks(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    site = "model.layers.0.mlp.down_proj:fwd"
+    fault = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(20,))
+    config = guard_config(tmp_path, faults=(fault,), sampling=aegis.SamplingConfig(probability=0.1,
+                          per_site=((site, 1.0),)))  # fmt: skip
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    assert breaks(model) == unprotected_breaks  # nothing of the library breaks a graph
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    for step in range(24):
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == 0:
+            torch._dynamo.config.error_on_recompile = True
+    torch._dynamo.config.error_on_recompile = False
+    summary = guard.close()
+    assert [(i.site.name, i.step) for i in guard.incidents] == [(site, 20)] and summary.confirmed == 1
+
+
+def test_the_automatic_budget_applies_on_cuda_unless_a_probability_is_given():
+    assert aegis.SamplingConfig().budget_for("cuda") == 0.01
+    assert aegis.SamplingConfig().budget_for("cpu") is None  # the reference path checks every call
+    assert aegis.SamplingConfig().probability_for("cpu") == 1.0
+    assert aegis.SamplingConfig(probability=0.2).budget_for("cuda") is None
+    assert aegis.SamplingConfig.every_call().budget_for("cuda") is None
+    assert aegis.SamplingConfig(budget=0.05).budget_for("cpu") == 0.05
+    with pytest.raises(ValueError, match="not both"):
+        aegis.SamplingConfig(probability=0.5, budget=0.01)
+
+
+def test_operands_the_gpu_kernels_cannot_take_are_named():
+    from aegis_sdc.ops.triton_linear import unsupported
+
+    assert unsupported(torch.zeros(8, 16, dtype=torch.float16)) is None
+    assert "16-byte" in unsupported(torch.zeros(8, 5, dtype=torch.float16))  # rows of 10 bytes
+    assert "16-byte" in unsupported(torch.zeros(8, 16, dtype=torch.float16)[:, :12].t())
+
+
+def test_a_linear_the_gpu_cannot_check_runs_unchecked_named_once(tmp_path, monkeypatch):
+    # On CUDA a call the kernels cannot take (fp32, misaligned rows) must not fall back to the
+    # reference path (a host read per call): it runs F.linear, warns once, and the coverage names it.
+    from aegis_sdc.ops.checked_linear import LinearHooks
+
+    def gap(self, x2d, weight):
+        return "float32 operands (the GPU kernels take bf16/fp16)" if self.index == 0 else None
+
+    monkeypatch.setattr(LinearHooks, "gpu_gap", gap)
+    model, data, optimizer = small_workload()
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    with pytest.warns(UserWarning, match="layers.0.attn.wq: not checked on this GPU") as caught:
+        train(model, data, optimizer, 3)
+    assert sum("not checked on this GPU" in str(w.message) for w in caught) == 1
+    summary = guard.close()
+    assert set(summary.coverage["not_covered"]) == {f"layers.0.attn.wq:{k}" for k in ("fwd", "dgrad", "wgrad")}
+    assert summary.checks == 3 * 7 * 3  # the 7 other Linears, 3 GEMMs, 3 steps
+    conn = sqlite3.connect(next((tmp_path / "run").glob("*.sqlite")))
+    assert conn.execute("SELECT COUNT(*) FROM events WHERE kind = 'not_covered'").fetchone()[0] == 1
