@@ -364,3 +364,21 @@ def test_a_linear_the_gpu_cannot_check_runs_unchecked_named_once(tmp_path, monke
     assert summary.checks == 3 * 7 * 3  # the 7 other Linears, 3 GEMMs, 3 steps
     conn = sqlite3.connect(next((tmp_path / "run").glob("*.sqlite")))
     assert conn.execute("SELECT COUNT(*) FROM events WHERE kind = 'not_covered'").fetchone()[0] == 1
+
+
+def test_the_gate_adds_to_a_grad_scalers_flag_and_gives_it_back():
+    from aegis_sdc.runtime.gate import OptimizerGate
+
+    class Optimizer:
+        pass
+
+    optimizer = Optimizer()
+    own = OptimizerGate.hold(optimizer, torch.tensor(1.0))
+    assert own is None and optimizer.found_inf.item() == 1.0
+    OptimizerGate.release(optimizer, own)
+    assert not hasattr(optimizer, "found_inf")
+    optimizer.found_inf = scaler = torch.zeros(())  # GradScaler's, for this step
+    own = OptimizerGate.hold(optimizer, torch.tensor(1.0))
+    assert own is scaler and optimizer.found_inf.shape == () and optimizer.found_inf.item() == 1.0
+    OptimizerGate.release(optimizer, own)
+    assert optimizer.found_inf is scaler

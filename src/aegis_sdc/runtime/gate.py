@@ -29,7 +29,8 @@ class OptimizerGate:
     def hold(optimizer: Any, flag: torch.Tensor) -> torch.Tensor | None:
         """Hand `flag` to the optimizer; returns its own found_inf, to be restored by `release`."""
         own = getattr(optimizer, "found_inf", None)
-        optimizer.found_inf = flag if own is None else own + flag.to(own.device)
+        # GradScaler's flag is 0-dim, as fused optimizers need (their step counts are): keep its shape
+        optimizer.found_inf = flag if own is None else own + flag.to(own.device).reshape(own.shape)
         return own
 
     @staticmethod

@@ -7,15 +7,15 @@ Linear i *active* for call c when any of its three GEMMs is checked or forced (i
 calibrating), or when a fault may fire in it. An inactive call runs `F.linear` and nothing else: `take()` — a
 list lookup and a counter — is the whole cost of protection on it.
 
-Calls beyond the first of a step (gradient accumulation, several forwards) are drawn when first
-needed, again for all sites at once.
+Calls beyond the first of a step (gradient accumulation, a Linear used several times) are drawn when
+asked, for the asking site alone, by the same hash.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from aegis_sdc.hashing import unit_hash_array
+from aegis_sdc.hashing import unit_hash, unit_hash_array
 
 SAMPLING_SALT = 0x5A3D  # the salt of Sampler.should_check: both draw the same decisions
 GEMMS_PER_LINEAR = 3
@@ -31,9 +31,10 @@ class StepPlan:
         self._forced = np.zeros(0, dtype=bool)
         self._faulted = np.zeros(0, dtype=bool)  # [Linears]
         self._quiet = False
-        self._checked: dict[int, np.ndarray] = {}  # call → [sites] bool
-        self._active: dict[int, list[bool]] = {}  # call → [Linears]
-        self._active_first: list[bool] = []
+        self._checked_first: list[bool] = []  # call 0 of each site
+        self._active_first: list[bool] = []  # call 0 of each Linear
+        self._forced_list: list[bool] = []
+        self._faulted_list: list[bool] = []
         self.calls: list[int] = []  # calls of each Linear in this step
         self._reported: list[int] = []  # calls already handed to the store this step
 
@@ -76,41 +77,46 @@ class StepPlan:
         self._forced = none if calibrating is None else np.asarray(calibrating, dtype=bool)
         faulted = none if faulted is None else np.asarray(faulted, dtype=bool)
         self._faulted = faulted.reshape(-1, GEMMS_PER_LINEAR).any(axis=1)
-        self._checked.clear()
-        self._active.clear()
+        self._faulted_list = self._faulted.tolist()
+        self._forced_list = self._forced.tolist()
         self.calls = [0] * self.linears
         self._reported = [0] * self.linears
-        self._active_first = self._active_at(0)
+        self._draw_first_calls()
 
     # -- hot path -----------------------------------------------------------------------------------
     def take(self, linear: int) -> int | None:
         """Count a call of Linear `linear`: its call index when active, None when it runs unchecked."""
         call = self.calls[linear]
         self.calls[linear] = call + 1
-        active = self._active_first if call == 0 else self._active_at(call)
-        return call if active[linear] else None
+        if call == 0:
+            return 0 if self._active_first[linear] else None
+        first = linear * GEMMS_PER_LINEAR
+        active = self._faulted_list[linear] or any(self.checked(site, call) for site in range(first, first + 3))
+        return call if active else None
 
     def checked(self, site: int, call: int) -> bool:
         """Whether call `call` of GEMM site `site` is sampled for a check in this step."""
-        return bool(self._checked_at(call)[site])
+        if call == 0:
+            return self._checked_first[site]
+        # Later calls (accumulation, a Linear used several times) are drawn for the asking site
+        # alone: a vectorized row per call index would cost all sites' hashes at every call.
+        if self._forced_list[site]:
+            return True
+        p = self._probabilities[site]
+        if self._quiet or p <= 0.0:
+            return False
+        return p >= 1.0 or unit_hash(self.seed, SAMPLING_SALT, site, self.step, call) < p
 
     # -- per step -----------------------------------------------------------------------------------
-    def _checked_at(self, call: int) -> np.ndarray:
-        row = self._checked.get(call)
-        if row is None:
-            if self._quiet:
-                row = self._checked[call] = self._forced.copy()
-            else:
-                drawn = unit_hash_array(self.seed, SAMPLING_SALT, self._ids, self.step, call) < self._p
-                row = self._checked[call] = drawn | self._forced
-        return row
-
-    def _active_at(self, call: int) -> list[bool]:
-        active = self._active.get(call)
-        if active is None:
-            checked = self._checked_at(call).reshape(-1, GEMMS_PER_LINEAR).any(axis=1)
-            active = self._active[call] = (checked | self._faulted).tolist()
-        return active
+    def _draw_first_calls(self) -> None:
+        """Call 0 of every site, vectorized (equal to `unit_hash` draw by draw)."""
+        if self._quiet:
+            checked = self._forced.copy()
+        else:
+            checked = (unit_hash_array(self.seed, SAMPLING_SALT, self._ids, self.step, 0) < self._p) | self._forced
+        self._checked_first = checked.tolist()
+        by_linear = checked.reshape(-1, GEMMS_PER_LINEAR).any(axis=1) | self._faulted
+        self._active_first = by_linear.tolist()
 
     def take_counts(self) -> list[int]:
         """Calls of each Linear since the last take (a flush within a step, or the step's end)."""
