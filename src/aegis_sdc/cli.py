@@ -16,7 +16,7 @@ app = typer.Typer(
 
 @app.command()
 def demo(
-    steps: int = typer.Option(400, help="Training steps (about a minute on two CPU cores)."),
+    steps: int = typer.Option(400, help="Training steps (about two minutes on two CPU cores)."),
     no_fault: bool = typer.Option(False, "--no-fault", help="Inject nothing: the run must confirm zero incidents."),
     fault_site: str = typer.Option("layers.1.mlp.up_proj:fwd", help="Site whose accumulator the faulty unit corrupts."),
     fault_probability: float = typer.Option(0.03, help="Probability per call that the fault strikes."),
