@@ -382,3 +382,23 @@ def test_the_gate_adds_to_a_grad_scalers_flag_and_gives_it_back():
     assert own is scaler and optimizer.found_inf.shape == () and optimizer.found_inf.item() == 1.0
     OptimizerGate.release(optimizer, own)
     assert optimizer.found_inf is scaler
+
+
+def test_the_budget_cycle_measures_quiet_steps_then_plans_and_corrects_its_cost_model():
+    from aegis_sdc.runtime.budget import QUIET_STEPS, BudgetController, StepTimer
+
+    controller = BudgetController(0.01, rotation_steps=100, replan_steps=5, timer=StepTimer(torch.device("cpu")))
+    phases = [controller.step_begins(calibrating=True) for _ in range(2)]
+    phases += [controller.step_begins(calibrating=False) for _ in range(QUIET_STEPS + 1)]
+    assert phases == ["calibrating"] * 2 + ["quiet"] * QUIET_STEPS + ["busy"] and controller.due()
+    flops, calls, caps = np.full(4, 1e9), np.ones(4), np.ones(4)
+    controller.timer.times_ms = {"quiet": [100.0, 100.0, 100.0]}  # the step itself: 100 ms
+    plan = controller.replan(flops, calls, np.full(4, 0.5), caps)
+    assert plan.allowed_ms == pytest.approx(1.0) and plan.expected_ms == pytest.approx(1.0)
+    # the cycle under this plan cost 2 ms per step, not 1: the cost model doubles, the plan halves
+    phases = [controller.step_begins(calibrating=False) for _ in range(4 + QUIET_STEPS + 1)]
+    assert phases == ["busy"] * 4 + ["quiet"] * QUIET_STEPS + ["busy"] and controller.due()
+    controller.timer.times_ms = {"quiet": [100.0] * 3, "busy": [102.0] * 5}
+    plan = controller.replan(flops, calls, np.full(4, 0.5), caps)
+    assert controller.scale == pytest.approx(2.0)
+    assert (plan.probabilities * 0.5).sum() == pytest.approx(0.5)  # 1 ms at the doubled cost

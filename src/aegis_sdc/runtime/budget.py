@@ -82,6 +82,10 @@ class StepTimer:
         if self._last is not None:
             self._open.append((*self._last, event))
         self._last = (event, tag)
+        self.poll()
+
+    def poll(self) -> None:
+        """Take the intervals the device has finished."""
         while self._open and (self.device.type != "cuda" or self._open[0][2].query()):
             start, kind, end = self._open.popleft()
             ms = start.elapsed_time(end) if self.device.type == "cuda" else (end - start) * 1000.0
@@ -93,6 +97,7 @@ class StepTimer:
 
 
 QUIET_STEPS = 3  # steps run without sampling to measure the step itself, before each plan
+QUIET_EXTRA = 10  # more quiet steps, at most, while the device has not finished the first ones
 
 
 @dataclass
@@ -115,12 +120,18 @@ class BudgetController:
 
     def step_begins(self, calibrating: bool) -> str:
         """The kind of the step beginning: "calibrating", "quiet" (no sampling) or "busy" (the plan)."""
+        self.timer.poll()
         if calibrating:
             phase = "calibrating"
-        elif self._phase in ("calibrating",) or (self._phase == "busy" and self._left <= 0):
+        elif self._phase == "calibrating" or (self._phase == "busy" and self._left <= 0):
             phase, self._left = "quiet", QUIET_STEPS
         elif self._phase == "quiet" and self._left <= 0:
-            phase, self._left = "busy", self.replan_steps
+            # Quiet steps read no evidence, so the host may run ahead of the device: stay quiet
+            # until one of them is timed (the plan needs the step's own time).
+            if not self.timer.times_ms.get("quiet") and self._left > -QUIET_EXTRA:
+                phase = "quiet"
+            else:
+                phase, self._left = "busy", self.replan_steps
         else:
             phase = self._phase
         self._left -= 1
