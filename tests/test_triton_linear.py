@@ -88,6 +88,46 @@ def test_faults_in_each_gemm_are_confirmed_with_site_step_and_tile(tmp_path):
     assert summary.false_alarms == 0 and summary.not_verifiable == 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_the_optimizer_gate_holds_back_an_alarmed_update(tmp_path, monkeypatch, policy):
+    # The gated step end (runtime/gate.py) on the interpreter: CPU fused AdamW takes found_inf as
+    # the CUDA one does, so the gate is allowed here for the test (it is CUDA-only in use, where the
+    # read it overlaps is asynchronous).
+    import aegis_sdc.guard as guard_module
+    from aegis_sdc.workloads.llama import lm_loss
+
+    monkeypatch.setattr(guard_module, "gateable", lambda opt, device: opt._step_supports_amp_scaling)
+    model, data, _ = tiny_workload()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    spec = aegis.FaultSpec(site="layers.0.mlp.up_proj:fwd", model="bitflip", bit=27, steps=(5,), seed=5)
+    cfg = config(tmp_path, faults=(spec,), response=aegis.ResponseConfig(policy=policy))
+    guard = aegis.protect(model, optimizer=optimizer, config=cfg)
+    gated = []
+    collect = guard._collect
+    monkeypatch.setattr(guard, "_collect", lambda *, gate: gated.append(gate) or collect(gate=gate))
+    weight = model.layers[0].mlp.up_proj.weight
+    raised_at = None
+    for step in range(7):
+        inputs, targets = data.batch()
+        lm_loss(model(inputs), targets).backward()
+        before = weight.detach().clone()
+        try:
+            optimizer.step()
+        except aegis.SilentDataCorruptionError:
+            raised_at = step
+            break
+        optimizer.zero_grad(set_to_none=True)
+    guard.close()
+    assert all(gated[:-1]) and not gated[-1]  # every step end gated; close() drains without a gate
+    assert [(i.site.name, i.step) for i in guard.incidents] == [("layers.0.mlp.up_proj:fwd", 5)]
+    if policy == "raise":  # raised from the post-hook, the update held back: nothing of step 5 landed
+        assert raised_at == 5 and torch.equal(weight.detach(), before)
+        assert optimizer.state[weight]["step"].item() == 5
+    else:  # the verdict allowed it: the held-back update was applied, every step counted
+        assert raised_at is None and optimizer.state[weight]["step"].item() == 7
+
+
 # -- real GPU ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_gpu_bf16_training_clean_then_faulty(tmp_path):
