@@ -2,7 +2,7 @@
 
 `start_to_host` packs the device tensors of each device into one byte buffer and copies it into
 pinned host memory without waiting; `PendingTransfer.wait()` waits for that copy alone (an event
-recorded after it), so the GPU keeps running whatever was queued behind it. `to_host` is both at once.
+recorded after it), so the GPU keeps running whatever was queued behind it.
 """
 
 from __future__ import annotations
@@ -18,10 +18,6 @@ class PendingTransfer:
     # per device: (indexes into tensors, pinned host bytes, the event after the copy)
     copies: list[tuple[list[int], torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
     _done: list[torch.Tensor] | None = None
-
-    def ready(self) -> bool:
-        """Whether `wait()` would return without waiting."""
-        return all(event is None or event.query() for _, _, event in self.copies)
 
     def wait(self) -> list[torch.Tensor]:
         """CPU copies of the tensors, in order (CPU tensors are returned as they are)."""
@@ -59,8 +55,3 @@ def start_to_host(tensors: list[torch.Tensor]) -> PendingTransfer:
             host, event = packed.cpu(), None
         pending.copies.append((indexes, host, event))
     return pending
-
-
-def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies of `tensors`, in order, after one wait per device."""
-    return start_to_host(tensors).wait()

@@ -45,24 +45,21 @@ class StepPlan:
     def add_linear(self, probabilities: tuple[float, float, float]) -> int:
         """Register a Linear's three sites (site ids must follow in this order); returns its index."""
         self._probabilities.extend(float(p) for p in probabilities)
-        self._ids = np.arange(len(self._probabilities), dtype=np.int64)
-        self._p = np.asarray(self._probabilities, dtype=np.float64)
-        self._forced = np.zeros(len(self._probabilities), dtype=bool)
-        self.calls.append(0)
+        self.calls.append(0)  # (the arrays follow at the next `begin`)
         self._reported.append(0)
         return self.linears - 1
 
     def set_probabilities(self, probabilities: np.ndarray) -> None:
         """New per-site probabilities (the budget sampler); they apply from the next `begin`."""
         probabilities = np.asarray(probabilities, dtype=np.float64)
-        if probabilities.shape != self._p.shape:
-            raise ValueError(f"expected {self._p.shape[0]} probabilities, got {probabilities.shape}")
+        if probabilities.shape != (len(self._probabilities),):
+            raise ValueError(f"expected {len(self._probabilities)} probabilities, got {probabilities.shape}")
         self._p = np.clip(probabilities, 0.0, 1.0)
         self._probabilities = self._p.tolist()
 
     @property
     def probabilities(self) -> np.ndarray:
-        return self._p.copy()
+        return np.asarray(self._probabilities, dtype=np.float64)
 
     def begin(
         self, step: int, calibrating: np.ndarray | None = None, faulted: np.ndarray | None = None, quiet: bool = False
@@ -73,6 +70,9 @@ class StepPlan:
         step samples nothing (the budget measures the step itself on such steps)."""
         self.step = step
         self._quiet = quiet
+        if self._p.shape[0] != len(self._probabilities):  # Linears were added since the last step
+            self._p = np.asarray(self._probabilities, dtype=np.float64)
+            self._ids = np.arange(self._p.shape[0], dtype=np.int64)
         none = np.zeros(self._p.shape, dtype=bool)
         self._forced = none if calibrating is None else np.asarray(calibrating, dtype=bool)
         faulted = none if faulted is None else np.asarray(faulted, dtype=bool)
@@ -123,7 +123,3 @@ class StepPlan:
         counts = [c - r for c, r in zip(self.calls, self._reported, strict=True)]
         self._reported = list(self.calls)
         return counts
-
-    def expected_checks(self) -> np.ndarray:
-        """[sites] the probability that a call of each site is checked (calibrating sites: 1)."""
-        return np.where(self._forced, 1.0, self._p)
