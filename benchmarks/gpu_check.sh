@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU work for the hot path: the GPU tests, then the end-to-end record.
-#   bash benchmarks/gpu_check.sh tests|e2e-eager|e2e-compiled|e2e-own   (each fits one 10-minute call)
+# One device call's worth of GPU work each (a call is limited to 10 minutes):
+#   kernel        the checked GEMM's GPU tests, the accumulation-noise diagnostic, one model's GEMM speed
+#   tune          choose the configuration per shape class (benchmarks/gemm_tune.py → results/gemm_tune.json)
+#   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
+#   sensitivity   detection at r = 1 and false alarms at three shape classes (results/sensitivity.json)
+#   tests         every GPU-marked test
+#   e2e-eager | e2e-compiled | e2e-own   the end-to-end step record (results/e2e_step.json)
 # Writes logs and results under $OUT (the device's output folder) or ./gpu-out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +14,24 @@ out="${OUT:-gpu-out}"
 mkdir -p "$out"
 results=benchmarks/results/e2e_step.json
 case "${1:-tests}" in
+  kernel)
+    timeout 300 python -m pytest -q -m gpu tests/test_triton_gemm.py tests/test_triton_linear.py -p no:cacheprovider \
+      2>&1 | tee "$out/kernel_tests.log" | tail -30
+    timeout 120 python benchmarks/noise_gpu.py 2>&1 | tee "$out/noise_gpu.log"
+    timeout 150 python benchmarks/gemm.py --models tinyllama-1.1b --tokens 8192 --out "$out/gemm_tinyllama.json" \
+      2>&1 | tee "$out/gemm_tinyllama.log" | tail -25 ;;
+  tune)
+    timeout 570 python benchmarks/gemm_tune.py --out "$out/gemm_tune.json" 2>&1 | tee "$out/gemm_tune.log" ;;
+  gemm-1)
+    timeout 570 python benchmarks/gemm.py --models tinyllama-1.1b,llama3-8b --out benchmarks/results/gemm.json \
+      2>&1 | tee "$out/gemm_1.log"
+    cp benchmarks/results/gemm.json "$out/" ;;
+  gemm-2)
+    timeout 570 python benchmarks/gemm.py --resume --models llama3-70b-tp8,qwen2.5-7b,qwen2.5-1.5b \
+      --out benchmarks/results/gemm.json 2>&1 | tee "$out/gemm_2.log"
+    cp benchmarks/results/gemm.json "$out/" ;;
+  sensitivity)
+    timeout 570 python benchmarks/sensitivity.py --out "$out/sensitivity.json" 2>&1 | tee "$out/sensitivity.log" ;;
   tests)
     timeout 560 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
   e2e-eager)
@@ -23,5 +46,5 @@ case "${1:-tests}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|tune|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

@@ -1,7 +1,8 @@
 """Sensitivity of the accumulator checksums: the AEGIS fault-injection experiment, on the GPU kernel.
 
-For each GEMM of a Linear (forward, dgrad, wgrad) at a real shape, with fresh random bf16 operands on
-every call:
+For each GEMM of a Linear (forward, dgrad, wgrad) at three shape classes of real models — a square
+projection, a GQA key/value projection (N = 256) and an lm_head (vocabulary 32000) — with fresh random
+bf16 operands on every call:
 
 1. calibrate as the guard does: threshold = 4 × the median of the first 16 clean values of the
    normalized row statistic (for the fp32-accumulator checksum and, separately, for the same
@@ -33,6 +34,12 @@ from aegis_sdc.kernels import triton_gemm as tg
 
 U32 = 2.0**-24
 R_VALUES = (0.25, 0.5, 1, 2, 4, 16, 1e2, 1e3, 1e4, 1e5)
+# (tokens M, in-features K, out-features N) of a Linear; each class's three GEMMs are studied.
+SHAPE_CLASSES = {
+    "square": (4096, 4096, 4096),  # Llama-3-8B attention output projection
+    "gqa-narrow": (4096, 4096, 256),  # a key/value projection with 2 KV heads of 128 (TinyLlama: 4 × 64)
+    "lm_head": (2048, 2048, 32000),  # TinyLlama's vocabulary
+}
 
 
 class Gemm:
@@ -46,7 +53,7 @@ class Gemm:
         self.dy = torch.empty(m, n, device=device, dtype=bf16)
         shape = {"fwd": (m, n), "dgrad": (m, k), "wgrad": (n, k)}[kind]
         self.out = torch.empty(*shape, device=device, dtype=bf16)
-        self.counters = torch.zeros(1, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(tg.counters_needed(*shape, tg.default_config()), dtype=torch.int32, device=device)
 
     def refill(self) -> None:
         self.x.normal_()
@@ -55,7 +62,7 @@ class Gemm:
 
     def run(self, fault=None) -> tuple[float, float, float]:
         """(fp32-accumulator statistic, the same from the bf16 output, raw L2) of one call."""
-        f32, f64 = torch.float32, torch.float64
+        f64 = torch.float64
         x, w, dy = self.x, self.w, self.dy
         if self.kind == "fwd":
             a, b, a_t, b_t, bmat = x, w, False, True, w.t()
@@ -64,19 +71,17 @@ class Gemm:
         else:
             a, b, a_t, b_t, bmat = dy, x, True, False, x
         cvec = bmat.sum(dim=1, dtype=f64)
-        beta = torch.linalg.vector_norm(bmat, dim=1, dtype=f32).square()
         stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=self.device)
         result = tg.launch_checked_gemm(
-            a, b, self.out, a_t=a_t, b_t=b_t, cvec=cvec, beta=beta, row_check=True, row_side=True,
+            a, b, self.out, a_t=a_t, b_t=b_t, cvec=cvec, row_check=True, row_side=True,
             stats=stats, counters=self.counters, row_threshold=1e30, fault=fault,
         )  # fmt: skip
         raw = stats.tolist()
         value = struct.unpack("<f", struct.pack("<I", (raw[tg.ST_ROW] >> 32) & 0xFFFFFFFF))[0]
         l2 = struct.unpack("<d", struct.pack("<q", raw[tg.ST_ROW_L2SQ]))[0] ** 0.5
-        # The same checksum from the rounded bf16 output: Σ_j out_ij against A·(B·1).
-        vec = result.rowvec.sum(dim=1)  # [4, M] fp64
-        scale = U32 * vec[1].sqrt()
-        bf16_value = float(((self.out.double().sum(dim=1) - vec[0]).abs() / scale.clamp_min(1e-300)).max())
+        # The same checksum from the rounded bf16 output: Σ_j out_ij against A·(B·1), same scale.
+        scale = U32 * result.rsq_part.double().sum(dim=0).sqrt()
+        bf16_value = float(((self.out.double().sum(dim=1) - result.rowref).abs() / scale.clamp_min(1e-300)).max())
         return value, bf16_value, l2
 
 
@@ -139,20 +144,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sensitivity.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and counts (CPU interpreter check)")
+    parser.add_argument("--clean-calls", type=int, default=3_400, help="clean calls per case (9 cases: ≥ 3×10⁴ in all)")
     args = parser.parse_args()
     if args.smoke:
-        device, shape, clean_for_m, clean_calls, repeats = "cpu", (64, 48, 96), 20, 30, 4
+        device, clean_for_m, clean_calls, repeats = "cpu", 20, 30, 4
+        shapes = {"square": (64, 48, 96)}
     else:
-        device, shape, clean_for_m, clean_calls, repeats = "cuda", (4096, 4096, 4096), 500, 10_000, 100
+        device, clean_for_m, clean_calls, repeats = "cuda", 500, args.clean_calls, 100
+        shapes = SHAPE_CLASSES
     started = time.time()
-    rows = [study(kind, shape, device, clean_for_m, clean_calls, repeats) for kind in ("fwd", "dgrad", "wgrad")]
+    rows = []
+    for shape_class, shape in shapes.items():
+        for kind in ("fwd", "dgrad", "wgrad"):
+            row = study(kind, shape, device, clean_for_m, clean_calls, repeats)
+            rows.append({"shape_class": shape_class, **row})
     summary = {
         "fp32_detection_at_r1": min(r["detection"]["1"]["fp32_accumulator"] for r in rows),
         "clean_calls": sum(r["clean_calls"] for r in rows),
         "false_alarms": sum(r["false_alarms"] for r in rows),
         "bf16_r_for_99": max((r["bf16_r_for_99"] or float("inf")) for r in rows),
-        "per_gemm_fp32_detection_at_r1": {r["gemm"]: r["detection"]["1"]["fp32_accumulator"] for r in rows},
-        "per_gemm_bf16_r_for_99": {r["gemm"]: r["bf16_r_for_99"] for r in rows},
+        "per_case_fp32_detection_at_r1": {
+            f"{r['shape_class']}.{r['gemm']}": r["detection"]["1"]["fp32_accumulator"] for r in rows
+        },
+        "per_case_bf16_r_for_99": {f"{r['shape_class']}.{r['gemm']}": r["bf16_r_for_99"] for r in rows},
     }
     env = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", *sys.argv]),

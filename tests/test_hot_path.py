@@ -159,15 +159,21 @@ def test_forward_and_backward_never_synchronize(tmp_path):
     assert guard.close().confirmed == 0
 
 
-@pytest.mark.gpu
-def test_a_checked_gemm_allocates_only_its_output(tmp_path):
+def _calibrated_linear(tmp_path):
+    """A GPU run past calibration (every kernel variant compiled, the workspaces filled): the guard,
+    one of its Linears and an input for it."""
     model, optimizer, guard, batches = _gpu_run(tmp_path)
-    for x, y in batches[:18]:  # calibrate, compile every kernel variant, fill the workspaces
+    for x, y in batches[:18]:
         lm_loss(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    linear = model.layers[0].mlp.up_proj
     x = torch.randn(8 * 128, GPU_CFG.dim, device="cuda", dtype=torch.bfloat16)
+    return guard, model.layers[0].mlp.up_proj, x
+
+
+@pytest.mark.gpu
+def test_a_checked_gemm_allocates_only_its_output(tmp_path):
+    guard, linear, x = _calibrated_linear(tmp_path)
     with torch.no_grad():
         torch.nn.functional.linear(x, linear.weight)  # cuBLAS's workspace, once
         linear(x)  # the weight statistics of this step: once per weight and step, not per call
@@ -178,6 +184,23 @@ def test_a_checked_gemm_allocates_only_its_output(tmp_path):
         torch.nn.functional.linear(x, linear.weight)
         plain = torch.cuda.memory_stats()["allocation.all.allocated"] - before
     assert checked == plain == 1
+    guard.close()
+
+
+@pytest.mark.gpu
+def test_a_checked_gemm_is_one_launch(tmp_path):
+    # A checked forward launches the checked GEMM and nothing else: the reference side, the evidence,
+    # the threshold compare and (on an alarm) the capture all run inside it; the weight's sums are
+    # taken once per weight and step, by the call that first needs them.
+    guard, linear, x = _calibrated_linear(tmp_path)
+    with torch.no_grad():
+        linear(x)  # this step's weight sums
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            linear(x)
+            torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "checked_gemm_kernel" in kernels[0], kernels
     guard.close()
 
 

@@ -7,6 +7,7 @@ The same checks run with bf16 at real shapes on a GPU (tests marked `gpu`).
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -38,16 +39,10 @@ def orientation(kind: str, m: int, k: int, n: int, dtype, seed=0):
 
 
 def launch(a, b, flags, logical, dtype, *, fault=None, thresholds=(float("inf"), float("inf")), col=True, cfg=None):
-    cfg = cfg or tg.default_config()
     A, B = logical
     m, n = A.shape[0], B.shape[1]
-    A32, B32 = A.float(), B.float()
-    vecs = dict(
-        cvec=B.double().sum(1),
-        beta=(B32 * B32).sum(1),
-        u1=A.double().sum(0) if col else None,
-        u2=(A32 * A32).sum(0) if col else None,
-    )
+    cfg = cfg or tg.config_for(m, n, A.shape[1])
+    vecs = dict(cvec=B.double().sum(1), u1=A.double().sum(0) if col else None)
     out = torch.empty(m, n, dtype=dtype, device=DEVICE)
     stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=DEVICE)
     counters = torch.zeros(-(-m // cfg.block_m) + -(-n // cfg.block_n) + 1, dtype=torch.int32, device=DEVICE)
@@ -60,8 +55,8 @@ def launch(a, b, flags, logical, dtype, *, fault=None, thresholds=(float("inf"),
     )  # fmt: skip
     call = TritonGemmCall(
         a_t=flags[0], b_t=flags[1], m=m, n=n, k=A.shape[1], dtype=dtype, cfg=cfg, capture_kind=kind,
-        b=b if kind == tg.CAPTURE_ROWS else None, bias=None, cvec=vecs["cvec"], beta=vecs["beta"],
-        u1=vecs["u1"], u2=vecs["u2"], pool=pool, fault=None,
+        b=b if kind == tg.CAPTURE_ROWS else None, bias=None, cvec=vecs["cvec"], u1=vecs["u1"], pool=pool,
+        fault=None,
     )  # fmt: skip
     return out, result, stats, counters, call
 
@@ -107,16 +102,25 @@ def test_values_and_checksums_match_the_reference_path(kind, dtype, shape):
     assert torch.all((row_sum - ref.row_sum).abs() <= row_bound)
     col_sum = result.col_part.double().sum(0).cpu()
     assert torch.all((col_sum - ref.col_sum).abs() <= (2 * gamma + tree) * magnitude.sum(0) + 1e-30)
-    # Reference side A·(B·1) (fp32 products of fp32 vectors: γ_K of the |A|·|B·1| magnitudes) and scales.
-    rowvec = result.rowvec.double().sum(1).cpu()  # the tiles' K sub-range partials, summed
-    ref_bound = 2 * gamma * (A64.abs() @ B64.sum(1).abs()) + 2 * U32 * ref.row_ref.abs() + 1e-30
-    assert torch.all((rowvec[0] - ref.row_ref).abs() <= ref_bound)
-    assert torch.allclose(rowvec[1].sqrt(), ref.row_scale, rtol=1e-5)
-    # By-products for a later wgrad: A·1 and ‖A_i‖²; column side u1ᵀB and u2ᵀB².
-    s1, s2 = result.byproducts()
-    assert torch.allclose(s1.double().cpu(), A64.sum(1), rtol=1e-5, atol=1e-4)
-    assert torch.allclose(s2.double().cpu(), (A64 * A64).sum(1), rtol=1e-5)
-    assert torch.allclose(result.colvec[0].double().sum(0).cpu(), ref.col_ref, rtol=1e-5, atol=1e-3)
+    # Reference side A·(B·1) on the tensor cores: products of A with the three parts of c are exact
+    # in fp32 and accumulate in fp32 (γ_K of the |A|·|c| magnitudes); the parts represent c to 3×
+    # the operand precision (fp16: 2⁻³³ of max|c|·2ᵉ ≤ 2¹⁴, i.e. below 2⁻¹⁹·max|c|).
+    c = B64.sum(1)
+    part_err = (2.0**-33 if dtype == torch.float16 else 2.0**-60) * 2 * c.abs().max()
+    ref_bound = 2 * gamma * (A64.abs() @ c.abs()) + (A64.abs().sum(1) * part_err) + 1e-30
+    assert torch.all((result.rowref.cpu() - ref.row_ref).abs() <= ref_bound)
+    # Scale: the accumulator rows' own norms (the reference path's s_i only in expectation).
+    exact = A64 @ B64
+    row_norm = result.rsq_part.double().sum(0).sqrt().cpu()
+    assert torch.allclose(row_norm, exact.norm(dim=1), rtol=1e-4)
+    # By-product for a later wgrad: A·1 (ones column: exact products, fp32 accumulation).
+    assert torch.all((result.rowones.cpu() - A64.sum(1)).abs() <= gamma * A64.abs().sum(1) + 1e-30)
+    # Column side u1ᵀB, the same way on Bᵀ's tiles.
+    u1 = A64.sum(0)
+    u_err = (2.0**-33 if dtype == torch.float16 else 2.0**-60) * 2 * u1.abs().max()
+    col_bound = 2 * gamma * (u1.abs() @ B64.abs()) + B64.abs().sum(0) * u_err + 1e-30
+    assert torch.all((result.colref.cpu() - ref.col_ref).abs() <= col_bound)
+    assert torch.allclose(result.csq_part.double().sum(0).sqrt().cpu(), exact.norm(dim=0), rtol=1e-4)
     # Evidence: clean, small, finished by exactly one program; counters left zero for the next launch.
     ev = decode(stats)
     assert ev["done"] == 1 and ev["alarm"] == 0 and ev["nonfinite"] == 0 and ev["slot"] == 0
@@ -172,12 +176,49 @@ def test_launches_are_deterministic_and_counters_reset():
     assert torch.equal(first[2], second[2])  # the evidence slot too
 
 
+@pytest.mark.parametrize("kind", ["fwd", "wgrad"])
+def test_inline_and_separate_evidence_agree(kind):
+    # The verdict, maxima, indices and capture are the same whether the GEMM's own programs finish the
+    # evidence or a second launch does (the fp64 L2 statistics are atomic sums: order-free, not compared).
+    a, b, flags, logical = orientation(kind, 64, 48, 96, torch.float16, seed=3)
+    fault = (tg.FAULT_PERTURB, 17, 50, 2.0, 0)
+    inline_cfg = dataclasses.replace(tg.default_config(), inline_evidence=True)
+    separate_cfg = dataclasses.replace(tg.default_config(), inline_evidence=False)
+    runs = [launch(a, b, flags, logical, torch.float16, fault=fault, thresholds=(40.0, 40.0), cfg=cfg)
+            for cfg in (inline_cfg, separate_cfg)]  # fmt: skip
+    (out1, _, stats1, counters1, call1), (out2, _, stats2, counters2, call2) = runs
+    assert torch.equal(out1, out2)
+    slots = [tg.ST_ROW, tg.ST_COL, tg.ST_NONFINITE, tg.ST_ALARM, tg.ST_SLOT, tg.ST_EVIDENCE_DONE]
+    assert stats1[slots].tolist() == stats2[slots].tolist()
+    assert decode(stats1)["alarm"] == 3 and decode(stats1)["row_index"] == 17
+    assert counters1.abs().sum() == 0 and counters2.abs().sum() == 0
+    assert torch.equal(call1.pool.f32[0], call2.pool.f32[0]) and torch.equal(call1.pool.data[0], call2.pool.data[0])
+
+
 def test_nonfinite_operands_raise_the_nonfinite_flag():
     a, b, flags, logical = orientation("fwd", 64, 48, 96, torch.float32)
     a[5, 3] = float("nan")
     _, _, stats, _, _ = launch(a, b, flags, (a, logical[1]), torch.float32, thresholds=(40.0, 40.0))
     ev = decode(stats)
     assert ev["nonfinite"] == 1 and ev["alarm"] & 1 and ev["row_index"] == 5
+
+
+@pytest.mark.parametrize("kind", ["fwd", "wgrad"])
+def test_folding_the_reference_side_leaves_every_output_bit(kind):
+    # Folding the side MMAs' fp32 chains into fp64 changes only the reference side (to within its
+    # bound), never the main accumulator: outputs and checksum partials are bit for bit the same.
+    m, k, n = 64, 80, 96  # 5 K tiles of 16: folds of 2 leave a partial last chain
+    a, b, flags, logical = orientation(kind, m, k, n, torch.float16, seed=5)
+    runs = [launch(a, b, flags, logical, torch.float16, cfg=dataclasses.replace(tg.default_config(), side_fold=f))
+            for f in (0, 2)]  # fmt: skip
+    (out0, res0, *_), (out2, res2, *_) = runs
+    assert torch.equal(out0, out2) and torch.equal(res0.row_part, res2.row_part)
+    assert torch.equal(res0.col_part, res2.col_part) and torch.equal(res0.rsq_part, res2.rsq_part)
+    A64, B64 = logical[0].double().cpu(), logical[1].double().cpu()
+    exact = A64 @ B64.sum(1)
+    bound = 2 * k * U32 * (A64.abs() @ B64.sum(1).abs()) + 1e-30
+    for res in (res0, res2):
+        assert torch.all((res.rowref.cpu() - exact).abs() <= bound)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only regression check")
@@ -197,6 +238,52 @@ def test_tma_compatibility_is_checked_on_the_host():
 
 # -- real shapes on a GPU --------------------------------------------------------------------------
 GPU_SHAPES = [(4096, 4096, 4096), (2048, 14336, 4096), (4096, 4096, 6144)]
+# (tokens, in-features, out-features) of real Linears, covering every shape class of the table:
+# GQA key/value projections (N = 256, 128, 512), square, a row-parallel shard, an lm_head.
+SHAPE_TABLE = [(2048, 2048, 256), (2048, 8192, 128), (8192, 3584, 512), (4096, 4096, 4096), (2048, 1024, 8192),
+               (2048, 2048, 32000)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("shape", SHAPE_TABLE, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape):
+    # A fault in the last tile (neither row block 0 nor column block 0, where they exist: that tile ran
+    # the plain K loop, its replay the loop with both reference sides) is detected at its row (and, with
+    # a column check, its column); the replay differs from the capture in the faulted row and column
+    # only: every other accumulator sum and both reference sides are bit for bit the original's.
+    m, k, n = shape
+    dtype = torch.bfloat16
+    a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=11)
+    rows, cols = logical[0].shape[0], logical[1].shape[1]
+    col = kind != "dgrad"  # wgrad's default column check, and the forward's optional one
+    *_, stats, _, _ = launch(a, b, flags, logical, dtype, thresholds=(1e9, 1e9), col=col)
+    clean = decode(stats)
+    assert clean["alarm"] == 0 and clean["nonfinite"] == 0, clean
+    fault_row, fault_col = rows - 1, cols - 1
+    fault = (tg.FAULT_BITFLIP, fault_row, fault_col, 0.0, 1 << 26)
+    thresholds = (4 * clean["row"], 4 * clean["col"] if col else 1e9)
+    _, _, stats, counters, call = launch(a, b, flags, logical, dtype, fault=fault, thresholds=thresholds, col=col)
+    ev = decode(stats)
+    assert ev["alarm"] & 1 and ev["row_index"] == fault_row and ev["slot"] == 1, ev
+    if col:
+        assert ev["alarm"] & 2 and ev["col_index"] == fault_col, ev
+    assert counters.abs().sum() == 0
+    capture = TritonGemmCapture(call, 0, ev["row_index"], ev["col_index"])
+    saved, replay = capture.saved, capture.replay()
+    local_row = fault_row - capture.region.row_start
+    keep = torch.ones(saved.row_part.shape[1], dtype=torch.bool)
+    keep[local_row] = False
+    assert torch.equal(saved.row_part[:, keep], replay.row_part[:, keep])
+    assert torch.equal(saved.out_part[:, keep], replay.out_part[:, keep])
+    assert not torch.equal(saved.row_part[:, local_row], replay.row_part[:, local_row])
+    assert torch.equal(saved.ref_part, replay.ref_part) and torch.equal(saved.colref_part, replay.colref_part)
+    if col:
+        local_col = fault_col - capture.region.col_start
+        keep_c = torch.ones(saved.col_part.shape[1], dtype=torch.bool)
+        keep_c[local_col] = False
+        assert torch.equal(saved.col_part[:, keep_c], replay.col_part[:, keep_c])
+    assert capture.diff(replay, capture.replay()).equal  # two clean replays agree bit for bit
 
 
 @pytest.mark.gpu
@@ -234,7 +321,7 @@ def test_gpu_bf16_values_checksums_and_faults(kind, shape):
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad"])
-def test_forward_and_dgrad_column_checks_run_after_the_kernel(kind):
+def test_forward_and_dgrad_column_checks_take_u1_into_the_kernel(kind):
     m, k, n = 64, 48, 96
     dtype = torch.float16
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=2)
@@ -246,7 +333,7 @@ def test_forward_and_dgrad_column_checks_run_after_the_kernel(kind):
         stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=DEVICE)
         counters = torch.zeros(-(-m // cfg.block_m) + -(-n // cfg.block_n) + 1, dtype=torch.int32, device=DEVICE)
         tg.launch_checked_gemm(
-            a, b, out, a_t=flags[0], b_t=flags[1], cvec=B.double().sum(1), beta=(B.float() ** 2).sum(1),
+            a, b, out, a_t=flags[0], b_t=flags[1], cvec=B.double().sum(1), u1=A.double().sum(0),
             row_check=True, row_side=True, col_check=True, stats=stats, counters=counters,
             row_threshold=1e9, col_threshold=60.0, fault=fault, cfg=cfg,
         )  # fmt: skip

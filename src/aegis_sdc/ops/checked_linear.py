@@ -168,9 +168,10 @@ class LinearHooks:
             return False
         return triton_linear.usable(x2d, weight)
 
-    def counters_for(self, kind: str, m: int, n: int, device: torch.device) -> torch.Tensor:
-        cfg = triton_linear.tg.default_config()
-        need = -(-m // cfg.block_m) + -(-n // cfg.block_n) + 1
+    def counters_for(self, kind: str, m: int, n: int, k: int, device: torch.device) -> torch.Tensor:
+        """Zeroed int32 counters for a checked C [m, n] = A [m, k]·B launch (left zero by the kernel)."""
+        tg = triton_linear.tg
+        need = tg.counters_needed(m, n, tg.config_for(m, n, k))
         current = self.counters.get(kind)
         if current is None or current.numel() < need or current.device != device:
             current = self.counters[kind] = torch.zeros(need, dtype=torch.int32, device=device)
@@ -212,7 +213,7 @@ class LinearCall:
     plans: tuple[Any, Any, Any]
     source: torch.Tensor  # the parameter (detached): keys the weight statistics
     triton: bool = False
-    x_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # X·1, ‖X_m‖² when the forward made them
+    x_sums: torch.Tensor | None = None  # X·1 [M] fp64 when the forward made it
 
 
 def linear_forward(
@@ -284,12 +285,14 @@ def _triton_forward(
 ) -> torch.Tensor:
     hooks: LinearHooks = call.hooks
     fwd_plan, _, wgrad_plan = call.plans
-    if fwd_plan is None:  # a checked wgrad takes X·1 and ‖X_m‖² in its own pass (_triton_backward)
+    if fwd_plan is None:  # a checked wgrad takes X·1 in its own pass (_triton_backward)
         return F.linear(x2d, weight, bias)
-    col_sum, col_sq, _, _ = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
+    col_sum, _ = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
     m, n = x2d.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
-    result = triton_linear.run(
+    if wgrad_plan is not None:  # X·1, the wgrad's c: a by-product of this launch
+        call.x_sums = torch.empty(m, dtype=torch.float64, device=x2d.device)
+    triton_linear.run(
         hooks.forward,
         fwd_plan,
         x2d,
@@ -299,20 +302,13 @@ def _triton_forward(
         b_t=True,
         bias=bias,
         cvec=col_sum,
-        beta=col_sq,
         u1=None,
-        u2=None,
         col_check=hooks.forward.col_check,
-        counters=hooks.counters_for("fwd", m, n, x2d.device),
+        counters=hooks.counters_for("fwd", m, n, x2d.shape[1], x2d.device),
         state=hooks.state,
         weight_stats=lambda w: triton_linear.WeightStats.compute(w)[0],
-        # Always: one kernel variant per site, compiled while calibration checks every call — a
-        # variant first needed after calibration (sampled forward, unsampled wgrad) would compile
-        # mid-run. The by-products are two more sums in the reference-side loop already running.
-        byproducts=True,
+        byproduct=call.x_sums,
     )
-    if wgrad_plan is not None:
-        call.x_stats = result.byproducts()  # X·1, ‖X_m‖²: the wgrad's c and β
     return out
 
 
@@ -322,15 +318,17 @@ def _triton_backward(call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weig
     _, dgrad_plan, wgrad_plan = call.plans
     wgrad_cols = wgrad_plan is not None and hooks.wgrad.col_check
     dx = dw = None
-    dy_stats = None
+    dy_sums = None
     if needs_dx:
-        if dgrad_plan is None:  # a column-checked wgrad takes dY·1, ‖dY_m‖² in its own pass
+        if dgrad_plan is None:  # a column-checked wgrad takes dY·1 in its own pass
             dx = dy.mm(weight)
         else:
-            _, _, row_sum, row_sq = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
+            _, row_sum = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
             m, n = dy.shape[0], weight.shape[1]
             dx = torch.empty(m, n, dtype=x2d.dtype, device=dy.device)
-            result = triton_linear.run(
+            if wgrad_cols:  # dY·1, the wgrad's u1: a by-product of this launch
+                dy_sums = torch.empty(m, dtype=torch.float64, device=dy.device)
+            triton_linear.run(
                 hooks.dgrad,
                 dgrad_plan,
                 dy,
@@ -340,25 +338,21 @@ def _triton_backward(call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weig
                 b_t=False,
                 bias=None,
                 cvec=row_sum,
-                beta=row_sq,
                 u1=None,
-                u2=None,
                 col_check=hooks.dgrad.col_check,
-                counters=hooks.counters_for("dgrad", m, n, dy.device),
+                counters=hooks.counters_for("dgrad", m, n, dy.shape[1], dy.device),
                 state=hooks.state,
-                weight_stats=lambda w: triton_linear.WeightStats.compute(w)[2],
-                byproducts=hooks.wgrad.col_check,  # as for the forward: one variant per site
+                weight_stats=lambda w: triton_linear.WeightStats.compute(w)[1],
+                byproduct=dy_sums,
             )
-            if wgrad_cols:
-                dy_stats = result.byproducts()  # dY·1, ‖dY_m‖²: the wgrad's column side
     if needs_dw:
         if wgrad_plan is None:
             dw = dy.t().mm(x2d)
         else:
-            if call.x_stats is None:  # the forward was not checked: one pass over X
-                call.x_stats = triton_linear.row_stats(x2d)
-            if wgrad_cols and dy_stats is None:  # no dgrad ran: one pass over dY for the column side
-                dy_stats = triton_linear.row_stats(dy)
+            if call.x_sums is None:  # the forward was not checked: one pass over X
+                call.x_sums = triton_linear.row_sums(x2d)
+            if wgrad_cols and dy_sums is None:  # no checked dgrad ran: one pass over dY
+                dy_sums = triton_linear.row_sums(dy)
             m, n = dy.shape[1], x2d.shape[1]
             dw = torch.empty(m, n, dtype=weight.dtype, device=dy.device)
             triton_linear.run(
@@ -370,13 +364,10 @@ def _triton_backward(call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weig
                 a_t=True,
                 b_t=False,
                 bias=None,
-                cvec=call.x_stats[0],
-                beta=call.x_stats[1],
-                u1=dy_stats[0] if wgrad_cols else None,
-                u2=dy_stats[1] if wgrad_cols else None,
+                cvec=call.x_sums,
+                u1=dy_sums,
                 col_check=wgrad_cols,
-                counters=hooks.counters_for("wgrad", m, n, dy.device),
+                counters=hooks.counters_for("wgrad", m, n, dy.shape[0], dy.device),
                 state=hooks.state,
-                byproducts=False,
             )
     return dx, dw

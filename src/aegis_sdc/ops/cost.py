@@ -19,7 +19,7 @@ import torch
 
 from aegis_sdc.kernels import triton_gemm as tg
 from aegis_sdc.kernels.reference import Tiling, checked_gemm
-from aegis_sdc.ops.triton_linear import WeightStats, row_stats
+from aegis_sdc.ops.triton_linear import WeightStats, row_sums
 
 ORIENTATION = {"fwd": (False, True), "dgrad": (False, False), "wgrad": (True, False)}  # (A stored ᵀ, B stored ᵀ)
 WARMUP, REPEATS = 2, 7
@@ -70,22 +70,23 @@ def check_cost_ms(
     extra = 0.0
     if triton and kind != "wgrad":  # the weight is B (stored [N, K] in forward, [K, N] in dgrad)
         extra = _median_ms(lambda: WeightStats.compute(b), device)
-    if triton and kind == "wgrad":  # X·1, ‖X_m‖² and dY·1, ‖dY_m‖²: a pass over each operand when
-        extra = _median_ms(lambda: (row_stats(a), row_stats(b)), device)  # no checked GEMM made them
+        if col_check:  # u1 = 1ᵀA: a pass over the activation
+            extra += _median_ms(lambda: a.sum(dim=0, dtype=torch.float64), device)
+    if triton and kind == "wgrad":  # X·1 (and dY·1 for the column side): a pass over each operand
+        # when no checked forward (dgrad) made it as a by-product
+        extra = _median_ms(lambda: (row_sums(b), row_sums(a) if col_check else None), device)
     if triton:
         out = torch.empty(m, n, dtype=dtype, device=device)
         cvec = torch.randn(k, generator=gen, device=device, dtype=torch.float64)
-        beta = cvec.float().square()
-        u1 = cvec if kind == "wgrad" and col_check else None
-        u2 = beta if kind == "wgrad" and col_check else None
+        u1 = cvec if col_check else None
         stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=device)
-        cfg = tg.default_config()
-        counters = torch.zeros(-(-m // cfg.block_m) + -(-n // cfg.block_n) + 1, dtype=torch.int32, device=device)
+        cfg = tg.config_for(m, n, k)
+        counters = torch.zeros(tg.counters_needed(m, n, cfg), dtype=torch.int32, device=device)
 
         def checked() -> None:
             tg.launch_checked_gemm(
-                a, b, out, a_t=a_t, b_t=b_t, cvec=cvec, beta=beta, u1=u1, u2=u2, row_check=True, row_side=True,
-                col_check=col_check, stats=stats, counters=counters, byproducts=kind != "wgrad", cfg=cfg, scratch=True,
+                a, b, out, a_t=a_t, b_t=b_t, cvec=cvec, u1=u1, row_check=True, row_side=True,
+                col_check=col_check, stats=stats, counters=counters, cfg=cfg, scratch=True,
             )  # fmt: skip
     else:
 

@@ -2,14 +2,15 @@
 
 Reference-side vectors, and where they come from (no extra pass over a large operand):
 
-    forward  C = X·Wᵀ   c = Wᵀ·1, β = ‖W_:,k‖²   computed once per weight and step (`WeightStats`)
-    dgrad    C = dY·W   c = W·1,  β = ‖W_n,:‖²   same
-    wgrad    C = dYᵀ·X  c = X·1,  β = ‖X_m‖²     by-products of the forward kernel, which read X
-                        u1 = dY·1, u2 = ‖dY_m‖²  by-products of the dgrad kernel, which read dY
+    forward  C = X·Wᵀ   c = Wᵀ·1    both sums of a weight in one pass, once per weight and step
+    dgrad    C = dY·W   c = W·1     (`WeightStats`, kernels/weight_sums.py)
+    wgrad    C = dYᵀ·X  c = X·1     a by-product of a checked forward (its reference-side MMA's
+                                    ones column), else one pass over X
+                        u1 = dY·1   the same of a checked dgrad, else one pass over dY
 
-So that the by-products exist when the wgrad is checked, the backward's plans are made at forward
-time: a forward whose wgrad will be checked runs the Triton kernel even when the forward itself is
-not sampled (the kernel runs at cuBLAS speed; only the forward's evidence is skipped).
+The scale of a difference is the accumulator's own row (column) norm, taken in the kernel's
+epilogue: no squared vectors. A column check of a forward or dgrad (not the default) needs
+u1 = 1ᵀA, a pass over the activation before the launch: that is its cost.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from aegis_sdc.kernels import triton_gemm as tg
+from aegis_sdc.kernels.weight_sums import weight_sums
 from aegis_sdc.ops.triton_replay import TritonGemmCall
 
 
@@ -68,7 +70,7 @@ class DeviceState:
 
 
 class WeightStats:
-    """c and β of a weight for forward and dgrad, computed once per weight and step.
+    """c of a weight for forward and dgrad (Wᵀ·1 and W·1), computed once per weight and step.
 
     A weight can change between steps without any sign on the tensor: fused optimizers
     (`AdamW(fused=True)`) and writes through `p.data` do not bump `_version`, and FSDP2 regathers
@@ -83,16 +85,14 @@ class WeightStats:
         self._value: tuple[torch.Tensor, ...] | None = None
 
     @staticmethod
-    def compute(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(Wᵀ·1, ‖W_:,k‖², W·1, ‖W_n,:‖²) for W [N, K]: the sums in fp64, the squares in fp32.
-
-        Deterministic torch reductions, so a replay can recompute them bit for bit."""
-        f32, f64 = torch.float32, torch.float64
-        col_sum = w.sum(dim=0, dtype=f64)
-        col_sq = torch.linalg.vector_norm(w, dim=0, dtype=f32).square()
-        row_sum = w.sum(dim=1, dtype=f64)
-        row_sq = torch.linalg.vector_norm(w, dim=1, dtype=f32).square()
-        return col_sum, col_sq, row_sum, row_sq
+    def compute(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Wᵀ·1 [K], W·1 [N]) in fp64 for W [N, K], in one pass over W where the Triton kernel
+        runs (CUDA, or the interpreter), else two torch reductions. Deterministic either way, so a
+        replay recomputes them bit for bit."""
+        if w.device.type == "cuda" or tg.INTERPRET:
+            return weight_sums(w)
+        f64 = torch.float64
+        return w.sum(dim=0, dtype=f64), w.sum(dim=1, dtype=f64)
 
     def get(self, w: torch.Tensor, source: torch.Tensor, epoch: int) -> tuple[torch.Tensor, ...]:
         # `source` is the parameter; `w` may be its autocast copy. The copy's values are a function
@@ -127,9 +127,9 @@ def unsupported(t: torch.Tensor) -> str | None:
     return None
 
 
-def row_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t·1 in fp64, ‖t_i‖² in fp32) [rows], when no kernel produced them as by-products (one pass over t)."""
-    return t.sum(dim=1, dtype=torch.float64), torch.linalg.vector_norm(t, dim=1, dtype=torch.float32).square()
+def row_sums(t: torch.Tensor) -> torch.Tensor:
+    """t·1 in fp64 [rows], when no kernel produced it as a by-product (one pass over t)."""
+    return t.sum(dim=1, dtype=torch.float64)
 
 
 def _fault_args(fault) -> tuple | None:
@@ -153,30 +153,33 @@ def run(
     b_t: bool,
     bias: torch.Tensor | None,
     cvec: torch.Tensor,
-    beta: torch.Tensor,
     u1: torch.Tensor | None,
-    u2: torch.Tensor | None,
     col_check: bool,
     counters: torch.Tensor,
     state: DeviceState,
     weight_stats=None,
-    byproducts: bool = True,
+    byproduct: torch.Tensor | None = None,
 ) -> tg.GemmLaunch:
-    """One GEMM on the Triton kernel, checked if `plan` says so; by-products always computed."""
+    """One GEMM on the Triton kernel, checked if `plan` says so; the row side (A·c, and the by-product
+    A·1, written into `byproduct` when given) always runs. A column check takes u1 = 1ᵀA when given
+    (wgrad: dY·1), else computes it here (forward and dgrad: one pass over A, that option's price)."""
     m, n = out.shape
     k = a.shape[0] if a_t else a.shape[1]
-    cfg = tg.default_config()
+    cfg = tg.config_for(m, n, k)
     check = plan is not None and plan.check
+    col = check and col_check
+    if col and u1 is None:
+        u1 = a.sum(dim=1 if a_t else 0, dtype=torch.float64)
     fault = plan.fault if plan is not None else None
     if fault is not None:
-        row, col = fault.element(m, n)
-        fault = dataclasses.replace(fault, row=row, col=col)
+        row, col_index = fault.element(m, n)
+        fault = dataclasses.replace(fault, row=row, col=col_index)
         if plan.fault_needs_scale:
             # A perturb fault before the site knows its median clean difference: measure this call
             # first (one clean launch and a host read: fault-injection runs only).
             stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=a.device)
             tg.launch_checked_gemm(
-                a, b, torch.empty_like(out), a_t=a_t, b_t=b_t, bias=bias, cvec=cvec, beta=beta,
+                a, b, torch.empty_like(out), a_t=a_t, b_t=b_t, bias=bias, cvec=cvec,
                 row_check=True, row_side=True, stats=stats, counters=counters, cfg=cfg,
             )  # fmt: skip
             clean_l2 = float(stats.view(torch.float64)[tg.ST_ROW_L2SQ]) ** 0.5
@@ -186,9 +189,9 @@ def run(
     capture = tg.CAPTURE_NONE
     pool = None
     if check:
-        # wgrad (u1 given) localizes both coordinates in-kernel: a tile. Forward and dgrad capture
-        # the row block against the whole weight (their column check runs after the kernel).
-        capture = tg.CAPTURE_TILE if col_check and u1 is not None else tg.CAPTURE_ROWS
+        # A column check localizes both coordinates: a tile. A row check captures the row block
+        # against the whole of B (a forward's or dgrad's B is the weight, kept by reference).
+        capture = tg.CAPTURE_TILE if col else tg.CAPTURE_ROWS
         data_len, f32_len = tg.CapturePool.layout(m, n, k, capture, cfg)
         pool = state.pool(a.device, out.dtype, data_len, f32_len)
     thresholds = sensor.thresholds(m, k, n) if check else (float("inf"), float("inf"))
@@ -200,12 +203,10 @@ def run(
         b_t=b_t,
         bias=bias,
         cvec=cvec,
-        beta=beta,
-        u1=u1,
-        u2=u2,
+        u1=u1 if col else None,
         row_check=check,
         row_side=True,
-        col_check=check and col_check,
+        col_check=col,
         stats=stats,
         counters=counters,
         pool=pool,
@@ -213,7 +214,7 @@ def run(
         row_threshold=thresholds[0],
         col_threshold=thresholds[1],
         fault=_fault_args(fault),
-        byproducts=byproducts,
+        byproduct=byproduct,
         cfg=cfg,
         scratch=True,
     )
@@ -230,9 +231,7 @@ def run(
             b=b if capture == tg.CAPTURE_ROWS else None,
             bias=bias,
             cvec=cvec,
-            beta=beta,
-            u1=u1,
-            u2=u2,
+            u1=u1 if col else None,
             pool=pool,
             fault=_fault_args(fault) if fault is not None and fault.affects_replay else None,
             weight_stats=weight_stats,

@@ -3,14 +3,15 @@
 The kernel's last evidence program copies the context of an alarm into a capture-pool slot (see
 kernels/triton_gemm.py, `_capture`). At the end of the step the host reads the evidence and, for an
 alarm, turns the slot into a `TritonGemmCapture`. Its replay relaunches the same kernel with the same
-tile configuration on the captured slabs, with the original tile coordinates and tile counts
-(`pid_base`, `ranges`), so every compared value is recomputed by the code that produced it:
+tile configuration on the captured slabs (every tile's K loop runs in the same fixed order wherever
+the tile sits), so every compared value is recomputed by the code that produced it:
 
-    rows (forward, dgrad): A's row block (copied) against the whole of B (the weight, by reference):
-                           every tile of the block — accumulator row sums, rounded-output row sums,
-                           and the block's reference-side partials
-    tile (wgrad):          A's row block and B's column block (both copied): one tile, and its
-                           shares of the row block's and the column block's reference sides
+    rows (row checks):   A's row block (copied) against the whole of B (the weight, by reference):
+                         every tile of the block — accumulator row sums, rounded-output row sums —
+                         and the block's reference side A·c (from its tile in column block 0)
+    tile (column checks: A's row block and B's column block (both copied): one tile, launched with
+    wgrad by default)    `side_all` so that it recomputes both reference sides, A·c of its rows and
+                         u1ᵀB of its columns, as the tiles of column block 0 and row block 0 did
 """
 
 from __future__ import annotations
@@ -41,9 +42,7 @@ class TritonGemmCall:
     b: torch.Tensor | None  # B's storage, referenced for a rows capture (the weight)
     bias: torch.Tensor | None
     cvec: torch.Tensor
-    beta: torch.Tensor
     u1: torch.Tensor | None
-    u2: torch.Tensor | None
     pool: tg.CapturePool | None
     fault: tuple | None  # (model, row, col, delta, mask) of a persistent fault, else None
     weight_stats: object | None = None  # weight → cvec, recomputed from `b` to verify the reference side
@@ -59,9 +58,9 @@ class TritonRegion:
 
     row_part: torch.Tensor  # [tiles, R]: Σ acc over each column tile
     out_part: torch.Tensor  # [tiles, R]: Σ of the rounded output over each column tile
-    ref_part: torch.Tensor  # [parts, R]: A·c over the K sub-ranges computed here
+    ref_part: torch.Tensor  # [1, R]: A·c
     col_part: torch.Tensor  # [1, C] or empty: Σ acc over the tile's rows
-    colref_part: torch.Tensor  # [1, C] or empty: u1ᵀB over the tile's K sub-range
+    colref_part: torch.Tensor  # [1, C] or empty: u1ᵀB
     b_rowsum: torch.Tensor  # B·1 used (recomputed from the weight when verifying)
 
 
@@ -87,8 +86,8 @@ class TritonGemmCapture(ReferencedOperands):
             self.cols = min(bn, call.n - c0)
             slab = data[bm * k : bm * k + bn * k]
             self.b_slab = (slab.view(bn, k) if call.b_t else slab.view(k, bn)).contiguous()
-            parts = f32[: 6 * bm].view(6, bm)
-            cols = f32[6 * bm : 6 * bm + 3 * bn].view(3, bn)
+            parts = f32[: 3 * bm].view(3, bm)
+            cols = f32[3 * bm : 3 * bm + 2 * bn].view(2, bn)
             self.saved = TritonRegion(
                 row_part=parts[0:1, rows],
                 out_part=parts[1:2, rows],
@@ -103,11 +102,11 @@ class TritonGemmCapture(ReferencedOperands):
             self.extent = "rows"
             self.b_slab = None
             t = self.tiles_n
-            parts = f32[: 6 * t * bm].view(6, t, bm)
+            parts = f32[: 2 * t * bm].view(2, t, bm)
             self.saved = TritonRegion(
                 row_part=parts[0, :, rows],
                 out_part=parts[1, :, rows],
-                ref_part=parts[2, :, rows],
+                ref_part=f32[2 * t * bm : (2 * t + 1) * bm].view(1, bm)[:, rows],
                 col_part=torch.empty(0),
                 colref_part=torch.empty(0),
                 b_rowsum=call.cvec,
@@ -147,14 +146,11 @@ class TritonGemmCapture(ReferencedOperands):
             b_t=call.b_t,
             bias=self._bias(),
             cvec=call.cvec,
-            beta=call.beta,
             u1=call.u1 if tile else None,
-            u2=call.u2 if tile else None,
             row_check=True,
             row_side=True,
             col_check=tile and call.u1 is not None,
-            pid_base=(self.row_block, self.col_block if tile else 0),
-            ranges=(self.tiles_m, self.tiles_n),
+            side_all=tile,
             fault=fault,
             evidence=False,
             cfg=cfg,
@@ -168,9 +164,9 @@ class TritonGemmCapture(ReferencedOperands):
         return TritonRegion(
             row_part=result.row_part[:, rows].to(f64),
             out_part=result.out_part[:, rows].to(f64),
-            ref_part=result.rowvec[0][:, rows],
+            ref_part=result.rowref[None, rows],
             col_part=result.col_part[:, : self.cols].to(f64) if with_cols else torch.empty(0),
-            colref_part=result.colvec[0][:, : self.cols] if with_cols else torch.empty(0),
+            colref_part=result.colref[None, : self.cols] if with_cols else torch.empty(0),
             b_rowsum=b_rowsum,
         )
 

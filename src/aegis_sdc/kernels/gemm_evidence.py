@@ -1,0 +1,285 @@
+"""Evidence of the checked GEMM: per-block normalized differences, the launch's verdict, captures.
+
+The GEMM's tiles leave per-tile partials (accumulator sums and sums of squares, rounded-output sums)
+and the reference sides. A block (BM rows, or BN columns for a column check) is finished by summing
+its partials in fp64 in a fixed order, normalizing each difference |C·1 − A·c| by u·‖C_i‖ (u = 2⁻²⁴),
+and folding the block maximum into a packed (value, index) atomic max of the launch's evidence slot.
+When every block is finished, one program compares the maxima with the site's thresholds and, on an
+alarm, copies the replay context into a free slot of the capture pool.
+
+Two ways to run it (`TritonGemmConfig.inline_evidence`):
+- inline: inside the GEMM launch. A tile's program counts the tile's arrival at its row (column)
+  block one tile later — after the next tile's K loop, when the tile's stores have long landed, so
+  the release of the arrival waits for nothing — and the program that completes a block finishes it;
+  the program that finishes the last block concludes. Counters reset themselves.
+- `evidence_kernel`: a second launch right after the GEMM on the same stream, one program per block.
+
+Layout of the evidence slot (int64 [STATS_LEN]), decoded by sensors.gemm.decode_triton_stats.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Kernels may read module globals only when they are tl.constexpr.
+U32 = tl.constexpr(2.0**-24)
+TINY = tl.constexpr(1.1754943508222875e-38)
+NAN_VALUE = tl.constexpr(3.0e38)  # a non-finite difference is folded into the maximum as this (and flagged)
+
+ST_ROW, ST_COL, ST_NONFINITE, ST_ALARM, ST_SLOT, ST_EVIDENCE_DONE, ST_ROW_L2SQ, ST_COL_L2SQ = range(8)
+STATS_LEN = 8
+_ST_ROW, _ST_COL, _ST_NONFINITE, _ST_ALARM, _ST_SLOT, _ST_EVIDENCE_DONE, _ST_ROW_L2SQ, _ST_COL_L2SQ = (
+    tl.constexpr(i) for i in range(8)
+)
+# Capture kinds (constexpr): what the concluding program copies on an alarm
+CAPTURE_NONE, CAPTURE_ROWS, CAPTURE_TILE = 0, 1, 2
+
+
+@triton.jit
+def _pack(value, index):
+    """(non-negative fp32 value, int index) → int64 whose order is the value's, then the index's."""
+    bits = value.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
+    return (bits << 32) | index.to(tl.int64)
+
+
+@triton.jit
+def _unpack_value(packed):
+    return (packed >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sum_parts(ptr, parts, size, offs, mask, PCHUNK: tl.constexpr):
+    """Σ_j ptr[j, offs] in fp64 over the `parts` rows of a [parts, size] array, PCHUNK rows per load
+    (one load per row would leave the finishing program waiting on memory latency, part by part)."""
+    total = tl.zeros(offs.shape, dtype=tl.float64)
+    for p0 in range(0, parts, PCHUNK):
+        p = p0 + tl.arange(0, PCHUNK)
+        m = (p < parts)[:, None] & mask[None, :]
+        v = tl.load(ptr + p[:, None] * size + offs[None, :], mask=m, other=0.0, cache_modifier=".cg")
+        total += tl.sum(v.to(tl.float64), axis=0)
+    return total
+
+
+@triton.jit
+def block_evidence(part_ptr, sq_ptr, ref_ptr, parts, size, start, stats_ptr, stats_f64_ptr,
+                    SLOT: tl.constexpr, L2_SLOT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Finish one row (or column) block: fp64 sums of its partials, normalized difference, packed max.
+
+    `part_ptr`, `sq_ptr` [parts, size]: accumulator sums and sums of squares per tile; `ref_ptr`
+    [size]: the reference side. A sum of squares that overflowed fp32 (|C| ≳ 10¹⁹) counts as non-finite."""
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < size
+    total = _sum_parts(part_ptr, parts, size, offs, mask, 16)
+    sq = _sum_parts(sq_ptr, parts, size, offs, mask, 16)
+    ref = tl.load(ref_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    raw = tl.where(mask, tl.abs(total - ref), 0.0)
+    tl.atomic_add(stats_f64_ptr + L2_SLOT, tl.sum(raw * raw, axis=0))  # a statistic: order-free is fine
+    diff = raw / tl.maximum(U32 * tl.sqrt(sq), TINY)
+    nonfinite = (diff != diff) | (diff == float("inf")) | (sq == float("inf"))
+    diff = tl.where(nonfinite, NAN_VALUE, diff)
+    diff = tl.where(mask, diff, 0.0).to(tl.float32)
+    tl.atomic_max(stats_ptr + SLOT, _pack(tl.max(diff, axis=0), start + tl.argmax(diff, axis=0)))
+    any_nonfinite = tl.max((nonfinite & mask).to(tl.int32), axis=0)
+    if any_nonfinite > 0:
+        tl.atomic_max(stats_ptr + _ST_NONFINITE, any_nonfinite.to(tl.int64))
+
+
+@triton.jit
+def _copy_rows(src_ptr, src_stride, dst_ptr, row0, rows_total, width, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
+    """dst[r, :width] = src[row0 + r, :width] for r < BLOCK_R (rows past rows_total are zero)."""
+    r = tl.arange(0, BLOCK_R)
+    rmask = (row0 + r) < rows_total
+    for c0 in range(0, width, CHUNK):
+        c = c0 + tl.arange(0, CHUNK)
+        m = rmask[:, None] & (c < width)[None, :]
+        v = tl.load(src_ptr + (row0 + r)[:, None] * src_stride + c[None, :], mask=m, other=0.0, cache_modifier=".cg")
+        tl.store(dst_ptr + r[:, None] * width + c[None, :], v, mask=(c < width)[None, :])
+
+
+@triton.jit
+def _copy_cols(src_ptr, src_stride, dst_ptr, col0, cols_total, height, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr):
+    """dst[h, c] = src[h, col0 + c] for h < height, c < BLOCK_C (columns past cols_total are zero)."""
+    c = tl.arange(0, BLOCK_C)
+    cmask = (col0 + c) < cols_total
+    for h0 in range(0, height, CHUNK):
+        h = h0 + tl.arange(0, CHUNK)
+        m = (h < height)[:, None] & cmask[None, :]
+        v = tl.load(src_ptr + h[:, None] * src_stride + (col0 + c)[None, :], mask=m, other=0.0, cache_modifier=".cg")
+        tl.store(dst_ptr + h[:, None] * BLOCK_C + c[None, :], v, mask=(h < height)[:, None])
+
+
+@triton.jit
+def _copy_parts(src_ptr, parts, size, start, dst_ptr, BLOCK: tl.constexpr):
+    """dst[j, :BLOCK] = src[j, start:start + BLOCK] for the `parts` rows of a [parts, size] array."""
+    offs = tl.arange(0, BLOCK)
+    mask = start + offs < size
+    for j in range(parts):
+        v = tl.load(src_ptr + j * size + start + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(dst_ptr + j * BLOCK + offs, v)
+
+
+@triton.jit
+def _capture(a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr, colref_ptr,
+             pool_data_ptr, pool_f32_ptr, pool_counter_ptr, stats_ptr, row0, col0, M, N, K, tiles_n,
+             stride_a, stride_b, data_len, f32_len, POOL: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+             CAPTURE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """Copy the replay context of an alarm into a free slot of the capture pool.
+
+    Slot, data part (operand dtype): A's row block [BM, K] ([K, BM] when A_T); for a tile capture
+    also B's column block [BN, K] when B_T else [K, BN].
+    Slot, fp64 part — rows capture (all tiles j of the row block): row_part [tiles_n, BM],
+    out_part [tiles_n, BM], the row reference A·c [BM]; tile capture (tile i, j): row_part [BM],
+    out_part [BM], A·c [BM], col_part [BN], the column reference u1ᵀB [BN].
+    """
+    slot = tl.atomic_add(pool_counter_ptr, 1)
+    if slot < POOL:
+        data = pool_data_ptr + slot * data_len
+        f32 = pool_f32_ptr + slot * f32_len
+        if A_T:
+            _copy_cols(a_ptr, stride_a, data, row0, M, K, BM, 64)
+        else:
+            _copy_rows(a_ptr, stride_a, data, row0, M, K, BM, 64)
+        if CAPTURE == 2:
+            data += BM * K
+            if B_T:
+                _copy_rows(b_ptr, stride_b, data, col0, N, K, BN, 64)
+            else:
+                _copy_cols(b_ptr, stride_b, data, col0, N, K, BN, 64)
+            i = row0 // BM
+            j = col0 // BN
+            _copy_parts(row_part_ptr + j * M, 1, M, row0, f32, BM)
+            _copy_parts(out_part_ptr + j * M, 1, M, row0, f32 + BM, BM)
+            _copy_parts(rowref_ptr, 1, M, row0, f32 + 2 * BM, BM)
+            f32 += 3 * BM
+            _copy_parts(col_part_ptr + i * N, 1, N, col0, f32, BN)
+            _copy_parts(colref_ptr, 1, N, col0, f32 + BN, BN)
+        else:
+            _copy_parts(row_part_ptr, tiles_n, M, row0, f32, BM)
+            _copy_parts(out_part_ptr, tiles_n, M, row0, f32 + tiles_n * BM, BM)
+            _copy_parts(rowref_ptr, 1, M, row0, f32 + 2 * tiles_n * BM, BM)
+        tl.store(stats_ptr + _ST_SLOT, (slot + 1).to(tl.int64))
+
+
+@triton.jit
+def conclude(stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr, colref_ptr,
+             pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold, M, N, K, tiles_n,
+             stride_a, stride_b, data_len, f32_len, ROW_CHECK: tl.constexpr, COL_CHECK: tl.constexpr,
+             CAPTURE: tl.constexpr, POOL: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """The launch's verdict, once every block is finished: maxima against thresholds, the alarm
+    bits (1 rows, 2 columns), and on an alarm the capture of the worst row's (and column's) block."""
+    row_packed = tl.load(stats_ptr + _ST_ROW, cache_modifier=".cg")
+    col_packed = tl.load(stats_ptr + _ST_COL, cache_modifier=".cg")
+    nonfinite = tl.load(stats_ptr + _ST_NONFINITE, cache_modifier=".cg")
+    row_alarm = ((_unpack_value(row_packed) > row_threshold) | (nonfinite > 0)) & ROW_CHECK
+    col_alarm = (_unpack_value(col_packed) > col_threshold) & COL_CHECK
+    alarm = row_alarm.to(tl.int64) + 2 * col_alarm.to(tl.int64)
+    tl.store(stats_ptr + _ST_ALARM, alarm)
+    tl.store(stats_ptr + _ST_EVIDENCE_DONE, 1)
+    if CAPTURE != 0:  # noqa: SIM102  (a compile-time branch around a run-time one)
+        if alarm != 0:
+            _capture(a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr, colref_ptr,
+                     pool_data_ptr, pool_f32_ptr, pool_counter_ptr, stats_ptr,
+                     ((row_packed & 0xFFFFFFFF) // BM) * BM, ((col_packed & 0xFFFFFFFF) // BN) * BN,
+                     M, N, K, tiles_n, stride_a, stride_b, data_len, f32_len,
+                     POOL, A_T, B_T, CAPTURE, BM, BN)  # fmt: skip
+
+
+@triton.jit
+def arrive(pid_m, pid_n, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr, rsq_part_ptr, out_part_ptr,
+           col_part_ptr, csq_part_ptr, rowref_ptr, colref_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr,
+           row_threshold, col_threshold, M, N, K, stride_a, stride_b, data_len, f32_len,
+           ROW_CHECK: tl.constexpr, COL_CHECK: tl.constexpr, CAPTURE: tl.constexpr, POOL: tl.constexpr,
+           A_T: tl.constexpr, B_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """Inline evidence: tile (pid_m, pid_n) of this program has stored its partials. Count it at its
+    row block (and column block); finish a block this tile completes; conclude after the last block.
+
+    counters (int32): [0] finished blocks, [1 + i] tiles arrived at row block i, [1 + tiles_m + j]
+    at column block j; each is put back to zero by the program that completes it."""
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    # Every thread's stores of the tile are issued before the release below (the barrier), and the
+    # release at gpu scope makes them visible to the program that acquires the completed count.
+    tl.debug_barrier()
+    finished = pid_m * 0
+    if ROW_CHECK:
+        seen = tl.atomic_add(counters_ptr + 1 + pid_m, 1, sem="acq_rel", scope="gpu")
+        if seen == tiles_n - 1:
+            tl.store(counters_ptr + 1 + pid_m, 0)
+            block_evidence(row_part_ptr, rsq_part_ptr, rowref_ptr, tiles_n, M, pid_m * BM, stats_ptr,
+                           stats_f64_ptr, _ST_ROW, _ST_ROW_L2SQ, BM)  # fmt: skip
+            finished += 1
+    if COL_CHECK:
+        seen = tl.atomic_add(counters_ptr + 1 + tiles_m + pid_n, 1, sem="acq_rel", scope="gpu")
+        if seen == tiles_m - 1:
+            tl.store(counters_ptr + 1 + tiles_m + pid_n, 0)
+            block_evidence(col_part_ptr, csq_part_ptr, colref_ptr, tiles_m, N, pid_n * BN, stats_ptr,
+                           stats_f64_ptr, _ST_COL, _ST_COL_L2SQ, BN)  # fmt: skip
+            finished += 1
+    if finished > 0:
+        tl.debug_barrier()
+        blocks = (tiles_m if ROW_CHECK else 0) + (tiles_n if COL_CHECK else 0)
+        done = tl.atomic_add(counters_ptr, finished, sem="acq_rel", scope="gpu")
+        if done + finished == blocks:
+            tl.store(counters_ptr, 0)
+            conclude(stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr, colref_ptr,
+                     pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold, M, N, K,
+                     tiles_n, stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK, CAPTURE, POOL,
+                     A_T, B_T, BM, BN)  # fmt: skip
+
+
+@triton.jit
+def evidence_kernel(
+    a_ptr,
+    b_ptr,
+    row_part_ptr,
+    rsq_part_ptr,
+    out_part_ptr,
+    col_part_ptr,
+    csq_part_ptr,
+    rowref_ptr,
+    colref_ptr,
+    counter_ptr,  # int32 [1]: zero before, left zero after
+    stats_ptr,
+    stats_f64_ptr,  # the same slot as fp64 (the L2 statistics)
+    pool_data_ptr,
+    pool_f32_ptr,
+    pool_counter_ptr,
+    row_threshold,
+    col_threshold,
+    M,
+    N,
+    K,
+    stride_a,
+    stride_b,
+    data_len,
+    f32_len,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    ROW_CHECK: tl.constexpr,
+    COL_CHECK: tl.constexpr,
+    CAPTURE: tl.constexpr,
+    POOL: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """The evidence as a second launch: one program per row block (then per column block); the last
+    program to finish concludes."""
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    pid = tl.program_id(0)
+    row_blocks = tiles_m if ROW_CHECK else 0
+    if pid < row_blocks:
+        block_evidence(row_part_ptr, rsq_part_ptr, rowref_ptr, tiles_n, M, pid * BM, stats_ptr, stats_f64_ptr,
+                       _ST_ROW, _ST_ROW_L2SQ, BM)  # fmt: skip
+    else:
+        block_evidence(col_part_ptr, csq_part_ptr, colref_ptr, tiles_m, N, (pid - row_blocks) * BN, stats_ptr,
+                       stats_f64_ptr, _ST_COL, _ST_COL_L2SQ, BN)  # fmt: skip
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.store(counter_ptr, 0)
+        conclude(stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr, colref_ptr,
+                 pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold, M, N, K, tiles_n,
+                 stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK, CAPTURE, POOL, A_T, B_T,
+                 BM, BN)  # fmt: skip
