@@ -38,6 +38,7 @@ from common import gpu_environment, write_result
 from triton.testing import do_bench
 
 from aegis_sdc.kernels import triton_gemm as tg
+from aegis_sdc.kernels.gemm_side import SideMatrix
 from aegis_sdc.ops.triton_linear import WeightStats
 
 # model → {layer: (in_features K, out_features N)} (one entry per distinct shape)
@@ -82,6 +83,10 @@ class Case:
             self.u1 = dy.sum(1, dtype=f64)
             self.cublas = lambda: torch.matmul(dy.t(), x)
         self.weight = w
+        # S matrices of the vectors, as the training step keeps them (once per weight and step; the
+        # wgrad's from its forward's and dgrad's launches)
+        self.c_side = SideMatrix.of(self.cvec, bf16)
+        self.u_side = SideMatrix.of(self.u1 if kind == "wgrad" else self.a.sum(0, dtype=f64), bf16)
         mm, nn = self.out.shape
         kred = self.a.shape[0] if self.a_t else self.a.shape[1]
         self.shape = (mm, nn, kred)
@@ -102,11 +107,13 @@ class Case:
         capture = tg.CAPTURE_TILE if col else tg.CAPTURE_ROWS
 
         def run() -> None:
-            u1 = None
+            u_side = None
             if col:  # wgrad: a by-product of the dgrad; forward/dgrad: the option's own pass over A
-                u1 = self.u1 if self.kind == "wgrad" else self.a.sum(0, dtype=torch.float64)
+                u_side = self.u_side
+                if self.kind != "wgrad":
+                    u_side = SideMatrix.of(self.a.sum(0, dtype=torch.float64), self.a.dtype)
             tg.launch_checked_gemm(
-                self.a, self.b, self.out, a_t=self.a_t, b_t=self.b_t, cvec=self.cvec, u1=u1,
+                self.a, self.b, self.out, a_t=self.a_t, b_t=self.b_t, c_side=self.c_side, u_side=u_side,
                 row_check=True, row_side=True, col_check=col, stats=self.stats, counters=self.counters,
                 pool=self.pools[capture], capture=capture,
                 row_threshold=1e30, col_threshold=1e30,  # timing: no alarm, so no capture copy (rare path)

@@ -9,7 +9,8 @@ bf16 operands on every call:
    checksum taken from the bf16 output);
 2. m = the median over ≥ 500 clean calls of ‖(AB)·1 − A·(B·1)‖₂ from the fp32 accumulator;
 3. add ±r·m to one random accumulator element (before checksum and rounding), 100 repeats per r;
-   a fault is detected when the call's statistic exceeds the threshold;
+   a fault is detected when the call's statistic exceeds the threshold — the row statistic, and on
+   wgrad also the column statistic (the default `row+col` checks wgrad's columns; its own threshold);
 4. count false alarms over ≥ 10⁴ clean calls.
 
     python benchmarks/sensitivity.py [--out benchmarks/results/sensitivity.json] [--smoke]
@@ -60,8 +61,9 @@ class Gemm:
         self.w.normal_().mul_(self.x.shape[1] ** -0.5)
         self.dy.normal_()
 
-    def run(self, fault=None) -> tuple[float, float, float]:
-        """(fp32-accumulator statistic, the same from the bf16 output, raw L2) of one call."""
+    def run(self, fault=None) -> tuple[float, float, float, float]:
+        """(fp32-accumulator row statistic, column statistic — wgrad, which checks both — the row
+        statistic from the bf16 output, raw row L2) of one call."""
         f64 = torch.float64
         x, w, dy = self.x, self.w, self.dy
         if self.kind == "fwd":
@@ -71,18 +73,21 @@ class Gemm:
         else:
             a, b, a_t, b_t, bmat = dy, x, True, False, x
         cvec = bmat.sum(dim=1, dtype=f64)
+        col = self.kind == "wgrad"  # the default `row+col`: columns on wgrad only
+        u1 = dy.sum(dim=1, dtype=f64) if col else None  # 1ᵀA for A = dYᵀ
         stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=self.device)
         result = tg.launch_checked_gemm(
-            a, b, self.out, a_t=a_t, b_t=b_t, cvec=cvec, row_check=True, row_side=True,
-            stats=stats, counters=self.counters, row_threshold=1e30, fault=fault,
+            a, b, self.out, a_t=a_t, b_t=b_t, cvec=cvec, u1=u1, row_check=True, row_side=True, col_check=col,
+            stats=stats, counters=self.counters, row_threshold=1e30, col_threshold=1e30, fault=fault,
         )  # fmt: skip
         raw = stats.tolist()
         value = struct.unpack("<f", struct.pack("<I", (raw[tg.ST_ROW] >> 32) & 0xFFFFFFFF))[0]
+        col_value = struct.unpack("<f", struct.pack("<I", (raw[tg.ST_COL] >> 32) & 0xFFFFFFFF))[0] if col else 0.0
         l2 = struct.unpack("<d", struct.pack("<q", raw[tg.ST_ROW_L2SQ]))[0] ** 0.5
         # The same checksum from the rounded bf16 output: Σ_j out_ij against A·(B·1), same scale.
         scale = U32 * result.rsq_part.double().sum(dim=0).sqrt()
         bf16_value = float(((self.out.double().sum(dim=1) - result.rowref).abs() / scale.clamp_min(1e-300)).max())
-        return value, bf16_value, l2
+        return value, col_value, bf16_value, l2
 
 
 def study(kind: str, shape: tuple[int, int, int], device: str, clean_for_m: int, clean_calls: int, repeats: int):
@@ -90,25 +95,27 @@ def study(kind: str, shape: tuple[int, int, int], device: str, clean_for_m: int,
     rng = random.Random(0)
     gemm = Gemm(kind, *shape, device=device)
     margin = ThresholdConfig().margin
-    calib32, calib16 = [], []
+    calib32, calib_col, calib16 = [], [], []
     for _ in range(ThresholdConfig().calibration_checks):
         gemm.refill()
-        v32, v16, _ = gemm.run()
+        v32, vcol, v16, _ = gemm.run()
         calib32.append(v32)
+        calib_col.append(vcol)
         calib16.append(v16)
     thr32, thr16 = margin * statistics.median(calib32), margin * statistics.median(calib16)
+    thr_col = margin * statistics.median(calib_col) if kind == "wgrad" else float("inf")
     l2s = []
     for _ in range(clean_for_m):
         gemm.refill()
-        l2s.append(gemm.run()[2])
+        l2s.append(gemm.run()[3])
     m = statistics.median(l2s)
     false_alarms = false_alarms_bf16 = 0
     clean_max = 0.0
     for i in range(clean_calls):
         gemm.refill()
-        v32, v16, _ = gemm.run()
-        false_alarms += v32 > thr32
-        clean_max = max(clean_max, v32)
+        v32, vcol, v16, _ = gemm.run()
+        false_alarms += v32 > thr32 or vcol > thr_col
+        clean_max = max(clean_max, v32 / thr32, vcol / thr_col)
         if i < 1000:
             false_alarms_bf16 += v16 > thr16
     rows, cols = gemm.out.shape
@@ -119,8 +126,8 @@ def study(kind: str, shape: tuple[int, int, int], device: str, clean_for_m: int,
             gemm.refill()
             sign = 1.0 if rng.random() < 0.5 else -1.0
             fault = (tg.FAULT_PERTURB, rng.randrange(rows), rng.randrange(cols), sign * r * m, 0)
-            v32, v16, _ = gemm.run(fault)
-            hits32 += v32 > thr32
+            v32, vcol, v16, _ = gemm.run(fault)
+            hits32 += v32 > thr32 or vcol > thr_col
             hits16 += v16 > thr16
         detection[str(r)] = {"fp32_accumulator": hits32 / repeats, "bf16_output": hits16 / repeats}
         print(f"{kind:5s} r={r:<8g} fp32 {hits32 / repeats:.2f}  bf16-output {hits16 / repeats:.2f}", flush=True)
@@ -133,7 +140,8 @@ def study(kind: str, shape: tuple[int, int, int], device: str, clean_for_m: int,
         "median_clean_l2_m": m,
         "clean_calls": clean_calls,
         "false_alarms": false_alarms,
-        "clean_max_over_threshold": clean_max / thr32,
+        "threshold_fp32_col": thr_col,
+        "clean_max_over_threshold": clean_max,
         "false_alarms_bf16_output_first_1000": false_alarms_bf16,
         "detection": detection,
         "bf16_r_for_99": bf16_r99,

@@ -230,6 +230,20 @@ def test_bf16_operands_are_upcast_under_the_interpreter():
     assert torch.allclose(out.double(), exact, rtol=2**-7, atol=1e-2)
 
 
+def test_launch_variants_are_keyed_on_constexprs_dtypes_and_blocks():
+    # The direct launch path (GPU) reuses a compiled variant by this key: it must tell apart what
+    # Triton would compile apart, and nothing else (shapes and strides are runtime integers).
+    a = torch.empty(64, 32, dtype=torch.float16)
+
+    def key(x, block=(32, 16), **constexprs):
+        desc = tg.TensorDescriptor.from_tensor(x, list(block))
+        return tg._variant_key(tg.checked_gemm_kernel, (desc, x, 5, 7), {"BM": 32, **constexprs}, {"num_warps": 4})
+
+    assert key(a) == key(torch.empty(128, 48, dtype=torch.float16))  # another shape: same variant
+    assert key(a) != key(a.float()) and key(a) != key(a, block=(16, 16)) and key(a) != key(a, BM=64)
+    assert key(a) == key(torch.empty(64, 64, dtype=torch.float16)[:, :32])  # another row stride: same variant
+
+
 def test_tma_compatibility_is_checked_on_the_host():
     assert tg.tma_compatible(torch.empty(16, 8, dtype=torch.float16))
     assert not tg.tma_compatible(torch.empty(16, 7, dtype=torch.float16))  # 14-byte rows

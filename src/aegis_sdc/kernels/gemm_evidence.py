@@ -229,7 +229,7 @@ def arrive(pid_m, pid_n, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, r
                      A_T, B_T, BM, BN)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "N", "K", "stride_a", "stride_b", "data_len", "f32_len"])
 def evidence_kernel(
     a_ptr,
     b_ptr,

@@ -5,11 +5,11 @@ split-K: every tile is reduced by one program in one fixed K order wherever it s
 replays bit for bit). What the checks add rides on work the kernel already does:
 
 - reference side on the tensor cores (kernels/gemm_side.py): the tiles of column block 0 run their
-  K loop with a second, narrow MMA A·S, S [BK, 16] holding c = B·1 split into three parts of the
-  operand dtype and a ones column — A·c at fp32-level precision and A·1, the by-product a later
-  wgrad check needs. For a column check the tiles of row block 0 do the same with Bᵀ·S(u1),
-  u1 = 1ᵀA. Only those tiles pay: 16 more columns of MMA over their K loop, ≈ 16 / (BN·tiles_n) of
-  the GEMM; no second pass over an activation.
+  K loop with a second, narrow MMA A·S, S [K, 16] holding c = B·1 split into three parts of the
+  operand dtype and a ones column (built once per vector, loaded [BK, 16] per K step like an
+  operand tile) — A·c at fp32-level precision and A·1, the by-product a later wgrad check needs
+  (written as its S for bf16). For a column check the tiles of row block 0 do the same with
+  Bᵀ·S(u1), u1 = 1ᵀA. No second pass over an activation.
 - epilogue: per tile, the row sums and row sums of squares of the fp32 accumulator before rounding
   and the row sums of the rounded output — `row_part`, `rsq_part`, `out_part` [tiles_n, M] — and for a
   column check the column sums and sums of squares, `col_part`, `csq_part` [tiles_m, N]. A row's
@@ -53,7 +53,7 @@ from aegis_sdc.kernels.gemm_evidence import (  # noqa: F401  (the evidence layou
     arrive,
     evidence_kernel,
 )
-from aegis_sdc.kernels.gemm_side import SIDE_N, side_columns, side_operand, side_scale
+from aegis_sdc.kernels.gemm_side import SIDE_N, SideMatrix, load_side, side_columns, store_side
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Fault models (constexpr): 0 none, 1 perturb (add delta), 2 bitflip (xor bits)
@@ -85,25 +85,25 @@ def _load_b(b_desc, off_n, k, B_T: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _k_step(acc, rpart, cpart, ki, a_desc, b_desc, off_m, off_n, K, cvec_ptr, c_scale, u1_ptr, u_scale,
+def _k_step(acc, rpart, cpart, ki, a_desc, b_desc, off_m, off_n, K, side_c_ptr, side_u_ptr,
             ROW_SIDE: tl.constexpr, COL_SIDE: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
-            DT: tl.constexpr, UPCAST: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+            UPCAST: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     """K tile `ki` of one output tile: the main MMA and, when asked, the reference-side MMAs on the
-    same operand tiles (rpart += A·S(c), cpart += Bᵀ·S(u1))."""
+    same operand tiles (rpart += A·S(c), cpart += Bᵀ·S(u1); S's rows are loaded like an operand)."""
     a = _load_a(a_desc, off_m, ki * BK, A_T, UPCAST)
     b = _load_b(b_desc, off_n, ki * BK, B_T, UPCAST)
     acc = tl.dot(a, b, acc)
     if ROW_SIDE:
-        rpart = tl.dot(a, side_operand(cvec_ptr, ki * BK, K, c_scale, True, DT, UPCAST, BK), rpart)
+        rpart = tl.dot(a, load_side(side_c_ptr, ki * BK, K, UPCAST, BK), rpart)
     if COL_SIDE:
-        cpart = tl.dot(tl.trans(b), side_operand(u1_ptr, ki * BK, K, u_scale, False, DT, UPCAST, BK), cpart)
+        cpart = tl.dot(tl.trans(b), load_side(side_u_ptr, ki * BK, K, UPCAST, BK), cpart)
     return acc, rpart, cpart
 
 
 @triton.jit
-def _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale, u1_ptr, u_scale,
+def _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
                   ROW_SIDE: tl.constexpr, COL_SIDE: tl.constexpr, FOLD: tl.constexpr, A_T: tl.constexpr,
-                  B_T: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  B_T: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr):  # fmt: skip
     """One tile's K loop, K tiles in one fixed order: acc [BM, BN] = A·B and, when asked, the
     reference sides rside [BM, 16] = A·S(c), cside [BN, 16] = Bᵀ·S(u1), returned in fp64.
@@ -122,71 +122,79 @@ def _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale, u
             rpart = tl.zeros((BM, SIDE_N), dtype=tl.float32)
             cpart = tl.zeros((BN, SIDE_N), dtype=tl.float32)
             for ki in range(k0, tl.minimum(k0 + FOLD, k_tiles)):
-                acc, rpart, cpart = _k_step(acc, rpart, cpart, ki, a_desc, b_desc, off_m, off_n, K, cvec_ptr,
-                                            c_scale, u1_ptr, u_scale, ROW_SIDE, COL_SIDE, A_T, B_T, DT, UPCAST,
-                                            BK)  # fmt: skip
+                acc, rpart, cpart = _k_step(acc, rpart, cpart, ki, a_desc, b_desc, off_m, off_n, K, side_c_ptr,
+                                            side_u_ptr, ROW_SIDE, COL_SIDE, A_T, B_T, UPCAST, BK)  # fmt: skip
             rside += rpart.to(tl.float64)
             cside += cpart.to(tl.float64)
     else:
         rpart = tl.zeros((BM, SIDE_N), dtype=tl.float32)
         cpart = tl.zeros((BN, SIDE_N), dtype=tl.float32)
         for ki in range(k_tiles):
-            acc, rpart, cpart = _k_step(acc, rpart, cpart, ki, a_desc, b_desc, off_m, off_n, K, cvec_ptr, c_scale,
-                                        u1_ptr, u_scale, ROW_SIDE, COL_SIDE, A_T, B_T, DT, UPCAST, BK)  # fmt: skip
+            acc, rpart, cpart = _k_step(acc, rpart, cpart, ki, a_desc, b_desc, off_m, off_n, K, side_c_ptr,
+                                        side_u_ptr, ROW_SIDE, COL_SIDE, A_T, B_T, UPCAST, BK)  # fmt: skip
         rside = rpart.to(tl.float64)
         cside = cpart.to(tl.float64)
     return acc, rside, cside
 
 
 @triton.jit
-def _owned_product(row_owner, col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale, u1_ptr,
-                   u_scale, ROW_SIDE: tl.constexpr, COL_SIDE: tl.constexpr, FOLD: tl.constexpr, A_T: tl.constexpr,
-                   B_T: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _owned_product(row_owner, col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
+                   ROW_SIDE: tl.constexpr, COL_SIDE: tl.constexpr, FOLD: tl.constexpr, A_T: tl.constexpr,
+                   B_T: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr):  # fmt: skip
     """`_tile_product` with the reference sides this tile owns (row side: column block 0; column side:
     row block 0): one compiled K loop per combination, chosen per tile at run time — the tiles that own
     no side (all but one column and one row of tiles) run the plain GEMM loop."""
     if ROW_SIDE and COL_SIDE:
         if row_owner & col_owner:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale,
-                                              u1_ptr, u_scale, True, True, FOLD, A_T, B_T, DT, UPCAST, BM, BN, BK)  # fmt: skip
+            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
+                                              True, True, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
         elif row_owner:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale,
-                                              u1_ptr, u_scale, True, False, FOLD, A_T, B_T, DT, UPCAST, BM, BN, BK)  # fmt: skip
+            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
+                                              True, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
         elif col_owner:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale,
-                                              u1_ptr, u_scale, False, True, FOLD, A_T, B_T, DT, UPCAST, BM, BN, BK)  # fmt: skip
+            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
+                                              False, True, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
         else:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale,
-                                              u1_ptr, u_scale, False, False, FOLD, A_T, B_T, DT, UPCAST, BM, BN, BK)  # fmt: skip
+            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
+                                              False, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
     elif ROW_SIDE:
         if row_owner:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale,
-                                              u1_ptr, u_scale, True, False, FOLD, A_T, B_T, DT, UPCAST, BM, BN, BK)  # fmt: skip
+            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
+                                              True, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
         else:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale,
-                                              u1_ptr, u_scale, False, False, FOLD, A_T, B_T, DT, UPCAST, BM, BN, BK)  # fmt: skip
+            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
+                                              False, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
     elif COL_SIDE:
         if col_owner:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale,
-                                              u1_ptr, u_scale, False, True, FOLD, A_T, B_T, DT, UPCAST, BM, BN, BK)  # fmt: skip
+            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
+                                              False, True, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
         else:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale,
-                                              u1_ptr, u_scale, False, False, FOLD, A_T, B_T, DT, UPCAST, BM, BN, BK)  # fmt: skip
+            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
+                                              False, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
     else:
-        acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr, c_scale,
-                                          u1_ptr, u_scale, False, False, FOLD, A_T, B_T, DT, UPCAST, BM, BN, BK)  # fmt: skip
+        acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
+                                          False, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
     return acc, rside, cside
 
 
-@triton.jit
+# Integer arguments are not specialized on their values (a shape seen for the first time reuses the
+# compiled variant: no compile mid-run, and the launch path below can key variants on constexprs).
+_RUNTIME_INTS = ["stride_a", "stride_b", "data_len", "f32_len", "fault_row", "fault_col", "fault_mask", "side_all",
+                 "M", "N", "K"]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def checked_gemm_kernel(
     a_desc,
     b_desc,
     c_desc,  # C [M, N] (TMA store)
     bias_ptr,
-    cvec_ptr,  # [K] fp64: c = B·1 (row side)
-    u1_ptr,  # [K] fp64: u1 = 1ᵀA (column side)
+    side_c_ptr,  # [K, 16] operand dtype: S(c), c = B·1 (row side; gemm_side.py)
+    side_u_ptr,  # [K, 16]: S(u1), u1 = 1ᵀA (column side)
+    c_scale_ptr,  # fp32 [1]: 2ᵉ of S(c)
+    u_scale_ptr,  # fp32 [1]: 2ᵉ of S(u1)
+    side_out_ptr,  # [M, 16] out (SIDE_OUT): S(A·1), the by-product as a later wgrad reads it
     row_part_ptr,  # [tiles_n, M] fp32 out: Σ_j acc per tile
     rsq_part_ptr,  # [tiles_n, M] fp32 out: Σ_j acc² per tile
     out_part_ptr,  # [tiles_n, M] fp32 out: Σ_j of the rounded output per tile
@@ -224,6 +232,7 @@ def checked_gemm_kernel(
     ROW_SIDE: tl.constexpr,  # A·c and A·1
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
+    SIDE_OUT: tl.constexpr,
     EVIDENCE: tl.constexpr,  # inline evidence (see gemm_evidence)
     CAPTURE: tl.constexpr,
     POOL: tl.constexpr,
@@ -238,12 +247,6 @@ def checked_gemm_kernel(
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    c_scale = 1.0
-    u_scale = 1.0
-    if ROW_SIDE:
-        c_scale = side_scale(cvec_ptr, K, DT)
-    if COL_CHECK:
-        u_scale = side_scale(u1_ptr, K, DT)
     # The tile before this one, not yet counted at its blocks (inline evidence): counted after the
     # next tile's K loop, when its stores have landed, so its release does not wait on them.
     prev_m = tl.program_id(0) * 0 - 1
@@ -254,8 +257,8 @@ def checked_gemm_kernel(
         off_n = pid_n * BN
         row_owner = (pid_n == 0) | (side_all != 0)
         col_owner = (pid_m == 0) | (side_all != 0)
-        acc, rside, cside = _owned_product(row_owner, col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, cvec_ptr,
-                                           c_scale, u1_ptr, u_scale, ROW_SIDE, COL_CHECK, FOLD, A_T, B_T, DT, UPCAST,
+        acc, rside, cside = _owned_product(row_owner, col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K,
+                                           side_c_ptr, side_u_ptr, ROW_SIDE, COL_CHECK, FOLD, A_T, B_T, UPCAST,
                                            BM, BN, BK)  # fmt: skip
 
         if EVIDENCE:
@@ -289,12 +292,14 @@ def checked_gemm_kernel(
         c_desc.store([off_m, off_n], out)
         if ROW_SIDE:
             if row_owner:
-                ref, ones = side_columns(rside, c_scale)
+                ref, ones = side_columns(rside, tl.load(c_scale_ptr))
                 tl.store(rowref_ptr + offs_m, ref, mask=mask_m)
                 tl.store(rowones_ptr + offs_m, ones, mask=mask_m)
+                if SIDE_OUT:
+                    store_side(side_out_ptr, offs_m, mask_m, ones, DT)
         if COL_CHECK:
             if col_owner:
-                cref, _ = side_columns(cside, u_scale)
+                cref, _ = side_columns(cside, tl.load(u_scale_ptr))
                 tl.store(colref_ptr + offs_n, cref, mask=mask_n)
         prev_m = pid_m
         prev_n = pid_n
@@ -308,6 +313,8 @@ def checked_gemm_kernel(
 
 # -- host side --------------------------------------------------------------------------------------
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import warnings  # noqa: E402
 
 import torch  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
@@ -323,8 +330,13 @@ class TritonGemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    inline_evidence: bool = True  # the evidence inside the GEMM launch (else a second launch)
-    side_fold: int = 16  # K tiles per fp32 chain of the reference-side MMAs, folded into fp64 (0: all of K)
+    # The evidence inside the GEMM launch, else in a second launch. Measured on the H200 (gate/up
+    # 8192×2048×5632): counting every tile at its block costs the GEMM ~17%, a second launch ~1%.
+    inline_evidence: bool = False
+    # K tiles per fp32 chain of the reference-side MMAs, folded into fp64 (0: all of K). Folding cost
+    # 1–3% of the GEMM on the H200, and the side's error is small next to the accumulator's own
+    # (benchmarks/noise_gpu.py: 3–5% of it at K = 16384 with folds of 16; it grows ~√16 unfolded).
+    side_fold: int = 0
 
 
 # Hopper: 128×256×64 tiles, 8 warps, 3 stages run bf16 GEMMs at cuBLAS speed on the H200.
@@ -382,6 +394,7 @@ def set_config(cfg: TritonGemmConfig | None) -> None:
     _config_override = cfg
 
 
+@functools.cache
 def num_sms(device: torch.device) -> int:
     if INTERPRET or device.type != "cuda":
         return 4
@@ -439,6 +452,7 @@ def counters_needed(m: int, n: int, cfg: TritonGemmConfig) -> int:
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
+_VIEWS: dict[tuple, torch.Tensor] = {}
 
 
 def _workspace(device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -448,16 +462,66 @@ def _workspace(device: torch.device, name: str, shape: tuple[int, ...], dtype: t
     them after the call: captures copy what they keep, and the by-product A·1 that a later wgrad reads
     goes to a tensor of the caller's (`byproduct`). One flat buffer per name, grown to the largest shape
     seen: variable sequence lengths do not pile up buffers."""
+    view = _VIEWS.get((device, name, dtype, shape))
+    if view is not None:  # the view of the current buffer at this shape (a lookup, no tensor op)
+        return view
     numel = math.prod(shape)
     key = (device, name, dtype)
     buffer = _WORKSPACES.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = _WORKSPACES[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buffer[:numel].view(shape)
+        for stale in [k for k in _VIEWS if k[:3] == key]:  # views of the buffer it replaces
+            del _VIEWS[stale]
+    view = _VIEWS[(device, name, dtype, shape)] = buffer[:numel].view(shape)
+    return view
 
 
 def _fresh(device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+_COMPILED: dict[tuple, object] = {}
+_direct_launch = not INTERPRET
+
+
+def _variant_key(kernel, args: tuple, constexprs: dict, options: dict) -> tuple:
+    """What selects a compiled variant of `kernel` for these arguments (see `_launch`)."""
+    signature = tuple(
+        (a.base.dtype, tuple(a.block_shape)) if isinstance(a, TensorDescriptor)
+        else a.dtype if isinstance(a, torch.Tensor)
+        else -(2**31) <= a < 2**31 if isinstance(a, int)
+        else None
+        for a in args
+    )  # fmt: skip
+    first = args[0].base if isinstance(args[0], TensorDescriptor) else args[0]
+    return kernel, first.device, tuple(constexprs.items()), tuple(options.items()), signature
+
+
+def _launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict) -> None:
+    """kernel[grid](*args, **constexprs, **options), with the compiled variant reused directly.
+
+    Triton's own launch binds and specializes every argument in Python on every call (~60 µs for
+    these kernels' ~45 arguments, measured on the H200) — more than a small GEMM's GPU time. The
+    kernels specialize on nothing but their constexprs, the operands' dtypes and the descriptors'
+    block shapes (integers are `do_not_specialize`; every pointer is 16-byte aligned: TMA requires
+    it, the allocator gives it), so a variant is keyed on those and launched through its compiled
+    handle. Should a Triton version launch differently, the first failure turns this off (with a
+    warning) and every launch takes Triton's own path."""
+    global _direct_launch
+    if not _direct_launch:
+        kernel[grid](*args, **constexprs, **options)
+        return
+    key = _variant_key(kernel, args, constexprs, options)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        _COMPILED[key] = kernel[grid](*args, **constexprs, **options)
+        return
+    try:
+        compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # its runner reads three grid sizes
+    except Exception as error:  # any failure: fall back for good, loudly
+        _direct_launch = False
+        warnings.warn(f"aegis-sdc: direct kernel launch failed ({error!r}); using Triton's launch path", stacklevel=2)
+        kernel[grid](*args, **constexprs, **options)
 
 
 @dataclasses.dataclass
@@ -484,6 +548,8 @@ def launch_checked_gemm(
     bias: torch.Tensor | None = None,
     cvec: torch.Tensor | None = None,
     u1: torch.Tensor | None = None,
+    c_side: SideMatrix | None = None,
+    u_side: SideMatrix | None = None,
     row_check: bool = False,
     row_side: bool = False,
     col_check: bool = False,
@@ -496,6 +562,7 @@ def launch_checked_gemm(
     fault: tuple[int, int, int, float, int] | None = None,  # (model, row, col, delta, xor mask)
     side_all: bool = False,
     byproduct: torch.Tensor | None = None,
+    byproduct_side: torch.Tensor | None = None,
     evidence: bool = True,
     cfg: TritonGemmConfig | None = None,
     scratch: bool = False,
@@ -503,7 +570,10 @@ def launch_checked_gemm(
     """C = A·B into `out` [M, N] (row-major) with the requested checks; see the module docstring.
 
     `a` is A [M, K] (or Aᵀ [K, M] when a_t); `b` is B [K, N] (or Bᵀ [N, K] when b_t). The row side
-    needs c = B·1 (`cvec`, fp64 [K]); a column check needs u1 = 1ᵀA (`u1`, fp64 [K]). `stats` (int64
+    needs c = B·1 (`cvec`, fp64 [K]) and a column check u1 = 1ᵀA (`u1`, fp64 [K]); their side matrices
+    (`c_side`, `u_side`, gemm_side.SideMatrix) are built here when not given — callers that launch
+    often keep them (once per weight and step). `byproduct_side` [M, 16]: receives S(A·1) for a later
+    wgrad (bf16 operands). `stats` (int64
     [STATS_LEN], zero) and `counters` (int32 [counters_needed(M, N, cfg)], zero) are needed for evidence.
     `byproduct`: an fp64 [M] tensor to receive A·1 (with the row side; default: a scratch or fresh
     buffer, as `scratch` says). `side_all`: every tile takes the reference sides (a replay of one tile, which must recompute what
@@ -518,10 +588,16 @@ def launch_checked_gemm(
     dev = a.device
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tiles_m, tiles_n = triton.cdiv(m, bm), triton.cdiv(n, bn)
-    if row_side and cvec is None:
-        raise ValueError("the row side needs c = B·1 (cvec)")
-    if col_check and u1 is None:
-        raise ValueError("a column check needs u1 = 1ᵀA (u1)")
+    if row_side and cvec is None and c_side is None:
+        raise ValueError("the row side needs c = B·1 (cvec or c_side)")
+    if col_check and u1 is None and u_side is None:
+        raise ValueError("a column check needs u1 = 1ᵀA (u1 or u_side)")
+    if row_side and c_side is None:
+        c_side = SideMatrix.of(cvec, a.dtype)
+    if col_check and u_side is None:
+        u_side = SideMatrix.of(u1, a.dtype)
+    if byproduct_side is not None and a.dtype != torch.bfloat16:
+        raise ValueError("the kernel writes S(A·1) for bf16 operands only (fp16 needs a scale: SideMatrix.of)")
     f32, f64 = torch.float32, torch.float64
     buffer = _workspace if scratch else _fresh
     row_part = buffer(dev, "row_part", (tiles_n, m), f32) if row_check else None
@@ -553,11 +629,14 @@ def launch_checked_gemm(
     data_len, f32_len = (pool.data.shape[1], pool.f32.shape[1]) if pool is not None else (0, 0)
     inline = evidence and cfg.inline_evidence
     pool_counter = pool.counter if pool is not None else _workspace(dev, "pool_counter", (1,), torch.int32)
-    checked_gemm_kernel[grid](
+    args = (
         a_desc, b_desc, c_desc,
         bias if bias is not None else dummy,
-        cvec if cvec is not None else dummy64,
-        u1 if u1 is not None else dummy64,
+        c_side.matrix if c_side is not None else out,
+        u_side.matrix if u_side is not None else out,
+        c_side.scale if c_side is not None else dummy,
+        u_side.scale if u_side is not None else dummy,
+        byproduct_side if byproduct_side is not None else out,
         row_part if row_part is not None else dummy,
         rsq_part if rsq_part is not None else dummy,
         out_part if out_part is not None else dummy,
@@ -575,15 +654,31 @@ def launch_checked_gemm(
         float(row_threshold), float(col_threshold), a.stride(0), b.stride(0), data_len, f32_len,
         int(frow), int(fcol), float(fdelta), int(fmask), int(side_all),
         m, n, k,
-        A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None,
-        ROW_CHECK=row_check, ROW_SIDE=row_side, COL_CHECK=col_check, FAULT=model, EVIDENCE=inline,
-        CAPTURE=capture, POOL=pool.slots if pool is not None else 1, DT=_TL_DTYPES[a.dtype],
-        UPCAST=INTERPRET, BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, FOLD=cfg.side_fold,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    constexprs = dict(
+        A_T=a_t,
+        B_T=b_t,
+        HAS_BIAS=bias is not None,
+        ROW_CHECK=row_check,
+        ROW_SIDE=row_side,
+        COL_CHECK=col_check,
+        FAULT=model,
+        SIDE_OUT=byproduct_side is not None,
+        EVIDENCE=inline,
+        CAPTURE=capture,
+        POOL=pool.slots if pool is not None else 1,
+        DT=_TL_DTYPES[a.dtype],
+        UPCAST=INTERPRET,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        GROUP_M=cfg.group_m,
+        FOLD=cfg.side_fold,
+    )  # fmt: skip (the kernel's constexpr parameters, in their order)
+    _launch(checked_gemm_kernel, grid, args, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     if evidence and not inline:
         blocks = (tiles_m if row_check else 0) + (tiles_n if col_check else 0)
-        evidence_kernel[(blocks,)](
+        args = (
             a, b,
             row_part if row_part is not None else dummy,
             rsq_part if rsq_part is not None else dummy,
@@ -597,7 +692,8 @@ def launch_checked_gemm(
             pool.f32 if pool is not None else dummy64,
             pool_counter,
             float(row_threshold), float(col_threshold), m, n, k, a.stride(0), b.stride(0), data_len, f32_len,
-            A_T=a_t, B_T=b_t, ROW_CHECK=row_check, COL_CHECK=col_check, CAPTURE=capture,
-            POOL=pool.slots if pool is not None else 1, BM=bm, BN=bn, num_warps=4,
         )  # fmt: skip
+        constexprs = dict(A_T=a_t, B_T=b_t, ROW_CHECK=row_check, COL_CHECK=col_check, CAPTURE=capture,
+                          POOL=pool.slots if pool is not None else 1, BM=bm, BN=bn)  # fmt: skip
+        _launch(evidence_kernel, (blocks,), args, constexprs, dict(num_warps=4))
     return GemmLaunch(row_part, rsq_part, out_part, col_part, csq_part, rowref, byproduct, colref)

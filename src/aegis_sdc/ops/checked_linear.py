@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from aegis_sdc.kernels.gemm_side import SideMatrix
 from aegis_sdc.kernels.reference import Tiling, checked_gemm
 from aegis_sdc.ops import triton_linear
 from aegis_sdc.ops.gemm_replay import GemmOperands
@@ -213,7 +214,7 @@ class LinearCall:
     plans: tuple[Any, Any, Any]
     source: torch.Tensor  # the parameter (detached): keys the weight statistics
     triton: bool = False
-    x_sums: torch.Tensor | None = None  # X·1 [M] fp64 when the forward made it
+    x_sums: triton_linear.Byproduct | None = None  # X·1 when the checked forward made it
 
 
 def linear_forward(
@@ -287,11 +288,11 @@ def _triton_forward(
     fwd_plan, _, wgrad_plan = call.plans
     if fwd_plan is None:  # a checked wgrad takes X·1 in its own pass (_triton_backward)
         return F.linear(x2d, weight, bias)
-    col_sum, _ = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
+    fwd_side, _ = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
     m, n = x2d.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
     if wgrad_plan is not None:  # X·1, the wgrad's c: a by-product of this launch
-        call.x_sums = torch.empty(m, dtype=torch.float64, device=x2d.device)
+        call.x_sums = triton_linear.Byproduct.empty(m, x2d.dtype, x2d.device)
     triton_linear.run(
         hooks.forward,
         fwd_plan,
@@ -301,8 +302,8 @@ def _triton_forward(
         a_t=False,
         b_t=True,
         bias=bias,
-        cvec=col_sum,
-        u1=None,
+        c_side=fwd_side,
+        u_side=None,
         col_check=hooks.forward.col_check,
         counters=hooks.counters_for("fwd", m, n, x2d.shape[1], x2d.device),
         state=hooks.state,
@@ -323,11 +324,11 @@ def _triton_backward(call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weig
         if dgrad_plan is None:  # a column-checked wgrad takes dY·1 in its own pass
             dx = dy.mm(weight)
         else:
-            _, row_sum = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
+            _, dgrad_side = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
             m, n = dy.shape[0], weight.shape[1]
             dx = torch.empty(m, n, dtype=x2d.dtype, device=dy.device)
             if wgrad_cols:  # dY·1, the wgrad's u1: a by-product of this launch
-                dy_sums = torch.empty(m, dtype=torch.float64, device=dy.device)
+                dy_sums = triton_linear.Byproduct.empty(m, dy.dtype, dy.device)
             triton_linear.run(
                 hooks.dgrad,
                 dgrad_plan,
@@ -337,8 +338,8 @@ def _triton_backward(call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weig
                 a_t=False,
                 b_t=False,
                 bias=None,
-                cvec=row_sum,
-                u1=None,
+                c_side=dgrad_side,
+                u_side=None,
                 col_check=hooks.dgrad.col_check,
                 counters=hooks.counters_for("dgrad", m, n, dy.shape[1], dy.device),
                 state=hooks.state,
@@ -349,10 +350,13 @@ def _triton_backward(call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weig
         if wgrad_plan is None:
             dw = dy.t().mm(x2d)
         else:
-            if call.x_sums is None:  # the forward was not checked: one pass over X
-                call.x_sums = triton_linear.row_sums(x2d)
-            if wgrad_cols and dy_sums is None:  # no checked dgrad ran: one pass over dY
-                dy_sums = triton_linear.row_sums(dy)
+            # c = X·1 and u1 = dY·1: by-products of the checked forward and dgrad, else one pass each
+            x_side = call.x_sums.side() if call.x_sums is not None else None
+            if x_side is None:
+                x_side = SideMatrix.of(triton_linear.row_sums(x2d), x2d.dtype)
+            dy_side = None
+            if wgrad_cols:
+                dy_side = dy_sums.side() if dy_sums is not None else SideMatrix.of(triton_linear.row_sums(dy), dy.dtype)
             m, n = dy.shape[1], x2d.shape[1]
             dw = torch.empty(m, n, dtype=weight.dtype, device=dy.device)
             triton_linear.run(
@@ -364,8 +368,8 @@ def _triton_backward(call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weig
                 a_t=True,
                 b_t=False,
                 bias=None,
-                cvec=call.x_sums,
-                u1=dy_sums,
+                c_side=x_side,
+                u_side=dy_side,
                 col_check=wgrad_cols,
                 counters=hooks.counters_for("wgrad", m, n, dy.shape[0], dy.device),
                 state=hooks.state,

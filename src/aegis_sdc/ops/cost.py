@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from aegis_sdc.kernels import triton_gemm as tg
+from aegis_sdc.kernels.gemm_side import SideMatrix
 from aegis_sdc.kernels.reference import Tiling, checked_gemm
 from aegis_sdc.ops.triton_linear import WeightStats, row_sums
 
@@ -68,24 +69,25 @@ def check_cost_ms(
     b_log = b.t() if b_t else b
     plain = _median_ms(lambda: a_log @ b_log, device)
     extra = 0.0
-    if triton and kind != "wgrad":  # the weight is B (stored [N, K] in forward, [K, N] in dgrad)
-        extra = _median_ms(lambda: WeightStats.compute(b), device)
+    if triton and kind != "wgrad":  # the weight is B (stored [N, K] in forward, [K, N] in dgrad): its
+        # sums and side matrices, once per step (shared by forward and dgrad: counted with each)
+        extra = _median_ms(lambda: [SideMatrix.of(v, dtype) for v in WeightStats.compute(b)], device)
         if col_check:  # u1 = 1ᵀA: a pass over the activation
-            extra += _median_ms(lambda: a.sum(dim=0, dtype=torch.float64), device)
+            extra += _median_ms(lambda: SideMatrix.of(a.sum(dim=0, dtype=torch.float64), dtype), device)
     if triton and kind == "wgrad":  # X·1 (and dY·1 for the column side): a pass over each operand
         # when no checked forward (dgrad) made it as a by-product
         extra = _median_ms(lambda: (row_sums(b), row_sums(a) if col_check else None), device)
     if triton:
         out = torch.empty(m, n, dtype=dtype, device=device)
-        cvec = torch.randn(k, generator=gen, device=device, dtype=torch.float64)
-        u1 = cvec if col_check else None
+        c_side = SideMatrix.of(torch.randn(k, generator=gen, device=device, dtype=torch.float64), dtype)
+        u_side = c_side if col_check else None
         stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=device)
         cfg = tg.config_for(m, n, k)
         counters = torch.zeros(tg.counters_needed(m, n, cfg), dtype=torch.int32, device=device)
 
         def checked() -> None:
             tg.launch_checked_gemm(
-                a, b, out, a_t=a_t, b_t=b_t, cvec=cvec, u1=u1, row_check=True, row_side=True,
+                a, b, out, a_t=a_t, b_t=b_t, c_side=c_side, u_side=u_side, row_check=True, row_side=True,
                 col_check=col_check, stats=stats, counters=counters, cfg=cfg, scratch=True,
             )  # fmt: skip
     else:

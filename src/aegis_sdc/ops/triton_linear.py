@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from aegis_sdc.kernels import triton_gemm as tg
+from aegis_sdc.kernels.gemm_side import SIDE_COLUMNS, SideMatrix
 from aegis_sdc.kernels.weight_sums import weight_sums
 from aegis_sdc.ops.triton_replay import TritonGemmCall
 
@@ -82,7 +83,7 @@ class WeightStats:
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._value: tuple[torch.Tensor, ...] | None = None
+        self._value: tuple[SideMatrix, SideMatrix] | None = None
 
     @staticmethod
     def compute(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,13 +95,38 @@ class WeightStats:
         f64 = torch.float64
         return w.sum(dim=0, dtype=f64), w.sum(dim=1, dtype=f64)
 
-    def get(self, w: torch.Tensor, source: torch.Tensor, epoch: int) -> tuple[torch.Tensor, ...]:
+    def get(self, w: torch.Tensor, source: torch.Tensor, epoch: int) -> tuple[SideMatrix, SideMatrix]:
+        """(S(Wᵀ·1) for the forward, S(W·1) for the dgrad) of this step's weight (gemm_side.py)."""
         # `source` is the parameter; `w` may be its autocast copy. The copy's values are a function
         # of the parameter's within one epoch.
         key = (epoch, source.data_ptr(), source._version, w.dtype, tuple(w.shape))
         if key != self._key:
-            self._key, self._value = key, self.compute(w)
+            col_sum, row_sum = self.compute(w)
+            self._key, self._value = key, (SideMatrix.of(col_sum, w.dtype), SideMatrix.of(row_sum, w.dtype))
         return self._value
+
+
+@dataclasses.dataclass
+class Byproduct:
+    """A·1 of a checked launch's A, as a later wgrad check of the same Linear reads it: fp64 [M] and,
+    for bf16 operands, S(A·1) [M, 16] written by the same launch (fp16 S needs a scale from the whole
+    vector: built when read)."""
+
+    vec: torch.Tensor
+    matrix: torch.Tensor | None
+    dtype: torch.dtype
+
+    @classmethod
+    def empty(cls, m: int, dtype: torch.dtype, device: torch.device) -> Byproduct:
+        matrix = None
+        if dtype == torch.bfloat16:
+            matrix = torch.empty(m, SIDE_COLUMNS, dtype=dtype, device=device)
+        return cls(torch.empty(m, dtype=torch.float64, device=device), matrix, dtype)
+
+    def side(self) -> SideMatrix:
+        if self.matrix is not None:
+            return SideMatrix.written_by_kernel(self.vec, self.matrix)
+        return SideMatrix.of(self.vec, self.dtype)
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -152,24 +178,25 @@ def run(
     a_t: bool,
     b_t: bool,
     bias: torch.Tensor | None,
-    cvec: torch.Tensor,
-    u1: torch.Tensor | None,
+    c_side: SideMatrix,
+    u_side: SideMatrix | None,
     col_check: bool,
     counters: torch.Tensor,
     state: DeviceState,
     weight_stats=None,
-    byproduct: torch.Tensor | None = None,
+    byproduct: SideMatrix | None = None,
 ) -> tg.GemmLaunch:
     """One GEMM on the Triton kernel, checked if `plan` says so; the row side (A·c, and the by-product
-    A·1, written into `byproduct` when given) always runs. A column check takes u1 = 1ᵀA when given
-    (wgrad: dY·1), else computes it here (forward and dgrad: one pass over A, that option's price)."""
+    A·1, written into `byproduct` when given: `byproduct_of`) always runs. A column check takes
+    u1 = 1ᵀA's S when given (wgrad: dY·1), else computes it here (forward and dgrad: one pass over A,
+    that option's price)."""
     m, n = out.shape
     k = a.shape[0] if a_t else a.shape[1]
     cfg = tg.config_for(m, n, k)
     check = plan is not None and plan.check
     col = check and col_check
-    if col and u1 is None:
-        u1 = a.sum(dim=1 if a_t else 0, dtype=torch.float64)
+    if col and u_side is None:
+        u_side = SideMatrix.of(a.sum(dim=1 if a_t else 0, dtype=torch.float64), a.dtype)
     fault = plan.fault if plan is not None else None
     if fault is not None:
         row, col_index = fault.element(m, n)
@@ -179,7 +206,7 @@ def run(
             # first (one clean launch and a host read: fault-injection runs only).
             stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=a.device)
             tg.launch_checked_gemm(
-                a, b, torch.empty_like(out), a_t=a_t, b_t=b_t, bias=bias, cvec=cvec,
+                a, b, torch.empty_like(out), a_t=a_t, b_t=b_t, bias=bias, c_side=c_side,
                 row_check=True, row_side=True, stats=stats, counters=counters, cfg=cfg,
             )  # fmt: skip
             clean_l2 = float(stats.view(torch.float64)[tg.ST_ROW_L2SQ]) ** 0.5
@@ -202,8 +229,8 @@ def run(
         a_t=a_t,
         b_t=b_t,
         bias=bias,
-        cvec=cvec,
-        u1=u1 if col else None,
+        c_side=c_side,
+        u_side=u_side if col else None,
         row_check=check,
         row_side=True,
         col_check=col,
@@ -214,7 +241,8 @@ def run(
         row_threshold=thresholds[0],
         col_threshold=thresholds[1],
         fault=_fault_args(fault),
-        byproduct=byproduct,
+        byproduct=byproduct.vec if byproduct is not None else None,
+        byproduct_side=byproduct.matrix if byproduct is not None else None,
         cfg=cfg,
         scratch=True,
     )
@@ -230,8 +258,10 @@ def run(
             capture_kind=capture,
             b=b if capture == tg.CAPTURE_ROWS else None,
             bias=bias,
-            cvec=cvec,
-            u1=u1 if col else None,
+            cvec=c_side.vec,
+            u1=u_side.vec if col else None,
+            c_side=c_side,
+            u_side=u_side if col else None,
             pool=pool,
             fault=_fault_args(fault) if fault is not None and fault.affects_replay else None,
             weight_stats=weight_stats,

@@ -23,6 +23,7 @@ import torch
 
 from aegis_sdc.events import Tile
 from aegis_sdc.kernels import triton_gemm as tg
+from aegis_sdc.kernels.gemm_side import SideMatrix
 from aegis_sdc.kernels.reference import U32, bitwise_equal
 from aegis_sdc.ops.gemm_replay import ReferencedOperands, RegionDiff
 
@@ -46,6 +47,8 @@ class TritonGemmCall:
     pool: tg.CapturePool | None
     fault: tuple | None  # (model, row, col, delta, mask) of a persistent fault, else None
     weight_stats: object | None = None  # weight → cvec, recomputed from `b` to verify the reference side
+    c_side: SideMatrix | None = None  # the S matrices the launch read (rebuilt from cvec / u1 when absent)
+    u_side: SideMatrix | None = None
 
     @property
     def references(self) -> tuple[torch.Tensor, ...]:
@@ -147,6 +150,8 @@ class TritonGemmCapture(ReferencedOperands):
             bias=self._bias(),
             cvec=call.cvec,
             u1=call.u1 if tile else None,
+            c_side=call.c_side,
+            u_side=call.u_side if tile else None,
             row_check=True,
             row_side=True,
             col_check=tile and call.u1 is not None,

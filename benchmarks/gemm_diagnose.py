@@ -1,0 +1,118 @@
+"""Where a checked GEMM's time goes (GPU diagnostic): the parts of a check switched on one by one.
+
+For a few shapes, device time (`do_bench` median) of: cuBLAS; our kernel unchecked; with the
+reference side only (no partials, no evidence); with the epilogue partials only (no side, no
+evidence); the full row check with evidence inside the launch, in a second launch, and with the side
+folded over all of K (`side_fold=0`). Then the host time per launch (launches queued back to back,
+no synchronization), and the registers and spills of every compiled variant.
+
+    python benchmarks/gemm_diagnose.py [--out benchmarks/results/gemm_diagnose.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+from common import gpu_environment, write_result
+from gemm import Case
+from triton.testing import do_bench
+
+from aegis_sdc.kernels import triton_gemm as tg
+
+SHAPES = [("gate_up", 8192, 2048, 5632), ("q_o", 8192, 2048, 2048), ("kv", 8192, 2048, 256), ("8b.o", 8192, 4096, 4096)]
+
+
+def variants(case: Case) -> dict:
+    a, b, out, cfg = case.a, case.b, case.out, case.cfg
+    common = dict(a_t=case.a_t, b_t=case.b_t, cfg=cfg, scratch=True)
+
+    def launch(**kw):
+        return lambda: tg.launch_checked_gemm(a, b, out, **common, **kw)
+
+    checked = dict(c_side=case.c_side, row_check=True, row_side=True, stats=case.stats, counters=case.counters,
+                   pool=case.pools[tg.CAPTURE_ROWS], capture=tg.CAPTURE_ROWS, row_threshold=1e30)  # fmt: skip
+    inline = dataclasses.replace(cfg, inline_evidence=True)
+    separate = dataclasses.replace(cfg, inline_evidence=False)
+    unfolded = dataclasses.replace(cfg, side_fold=0)
+    return {
+        "unchecked": launch(),
+        "side_only": launch(c_side=case.c_side, row_side=True, evidence=False),
+        "partials_only": launch(row_check=True, evidence=False),
+        "side_and_partials": launch(c_side=case.c_side, row_side=True, row_check=True, evidence=False),
+        "row_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **checked),
+        "row_separate": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": separate}, **checked),
+        "row_fold0": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": unfolded}, **checked),
+    }
+
+
+def host_us(fn, n: int = 200) -> float:
+    """Host microseconds per call, calls queued without synchronizing (the GPU falls behind)."""
+    fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - started
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
+
+
+def profile_host() -> None:
+    """Where the host time of a launch goes: cProfile over 300 queued launches of two variants."""
+    import cProfile
+    import pstats
+
+    case = Case("fwd", 8192, 2048, 2048)
+    for label in ("unchecked", "row_separate"):
+        fn = variants(case)[label]
+        fn()
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(300):
+            fn()
+        profiler.disable()
+        torch.cuda.synchronize()
+        print(f"--- {label}: host profile of 300 launches (cumulative) ---", flush=True)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+        print(f"--- {label}: (tottime) ---", flush=True)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gemm_diagnose.json")
+    parser.add_argument("--profile-host", action="store_true", help="cProfile the host side of launches, then stop")
+    args = parser.parse_args()
+    if args.profile_host:
+        profile_host()
+        return
+    rows = []
+    for name, m, k, n in SHAPES:
+        for kind in ("fwd", "wgrad"):
+            case = Case(kind, m, k, n)
+            row = {"layer": name, "M": m, "K": k, "N": n, "gemm": kind}
+            row["cublas_ms"] = do_bench(case.cublas, warmup=25, rep=100, return_mode="median")
+            row["cublas_host_us"] = host_us(case.cublas)
+            for label, fn in variants(case).items():
+                row[f"{label}_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                row[f"{label}_ratio"] = row["cublas_ms"] / row[f"{label}_ms"]
+                row[f"{label}_host_us"] = host_us(fn)
+            rows.append(row)
+            print(
+                name, kind, {key: round(v, 3) for key, v in row.items() if key.endswith(("_ratio", "_us"))}, flush=True
+            )
+    kernels = []
+    for device_cache in tg.checked_gemm_kernel.device_caches.values():
+        for compiled in device_cache[0].values():
+            kernels.append({key: getattr(compiled, key, None) for key in ("n_regs", "n_spills", "shared")})
+    print("kernels (regs, spills, shared):", [(x["n_regs"], x["n_spills"], x["shared"]) for x in kernels], flush=True)
+    write_result(args.out, gpu_environment(), rows, kernels=kernels)
+
+
+if __name__ == "__main__":
+    main()
