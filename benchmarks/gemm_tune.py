@@ -29,7 +29,7 @@ from aegis_sdc.kernels import triton_gemm as tg
 BASE = tg.HOPPER_CONFIG
 CANDIDATES = {
     "128x256x64 w8 s3": BASE,
-    "128x256x64 w8 s4": dataclasses.replace(BASE, num_stages=4),
+    "128x256x64 w8 s3 fold16": dataclasses.replace(BASE, side_fold=16),
     "128x256x64 w8 s3 separate-evidence": dataclasses.replace(BASE, inline_evidence=False),
     "128x256x64 w8 s3 fold0": dataclasses.replace(BASE, side_fold=0),
     "128x128x64 w8 s4": dataclasses.replace(BASE, block_n=128, num_stages=4),
