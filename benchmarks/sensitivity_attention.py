@@ -45,7 +45,8 @@ def call(pass_: str, shape: tuple[int, int, int], device: str, fault: HeadFault 
     else:
         forward = attention_forward(q, k, v, scale, True)
         result = attention_backward(q, k, v, forward.out, forward.lse, do, scale, True, fault)
-    return float(result.values.max()), result.raw_l2
+    values = result.values if pass_ == "fwd" else result.values[0]  # backward: the dv check (a pv fault)
+    return float(values.max()), result.raw_l2
 
 
 def study(pass_: str, shape, device: str, clean_calls: int, repeats: int, rng: random.Random) -> dict:

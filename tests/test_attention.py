@@ -65,9 +65,9 @@ def test_values_and_gradients_match_sdpa(causal, dtype, d, heads, kv_heads, seq)
     for got, want in zip(grads, ref_grads, strict=True):
         bound = (8 * (2 * seq + d) * 2.0**-24 + 4 * u_out) * want.abs().max()
         assert (got.float() - want).abs().max() <= bound
-    # Clean checksums stay below the exact bounds used during calibration.
-    assert float(hooks.values[True].max()) < backward_bound(seq, seq)
-    assert bool(torch.isfinite(hooks.values[False]).all())
+    # Clean checksums stay below the bounds used during calibration (dv's is exact).
+    assert float(hooks.values[True][0].max()) < backward_bound(seq, seq)
+    assert bool(torch.isfinite(hooks.values[False]).all()) and bool(torch.isfinite(hooks.values[True]).all())
 
 
 def test_unsupported_arguments_raise_clear_errors():
@@ -94,11 +94,37 @@ def test_each_invariant_sees_its_own_corruption():
     assert int(bad.values.argmax()) == 4 and bad.values[4] > 100 * clean.values.max()
     clean_b = attention_backward(q, k, v, clean.out, clean.lse, do, 0.2, True)
     bad_b = attention_backward(q, k, v, clean.out, clean.lse, do, 0.2, True, HeadFault(2, "softmax", flip))
-    assert int(bad_b.values.argmax()) == 2 and bad_b.values[2] > 100 * clean_b.values.max()
+    assert int(bad_b.values[0].argmax()) == 2 and bad_b.values[0, 2] > 100 * clean_b.values[0].max()
 
 
-STAGE_FAULTS = [  # (site kind, stage, step); forward qk/softmax faults show up in the backward check
+@pytest.mark.parametrize("stage", ["dp", "ds", "dq", "dk"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_checks_see_faults_in_dp_ds_dq_and_dk(stage, causal):
+    # Each backward stage's corruption breaks its own check, in the corrupted head, by orders of
+    # magnitude over the clean values; the other checks of that head stay clean (each is localized).
+    from aegis_sdc.faults.models import AccumulatorFault
+    from aegis_sdc.kernels.attention_reference import BACKWARD_CHECKS, HeadFault
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(6, 40, 32, generator=g) for _ in range(4))
+    # row 30 / column 3: inside the causal mask's kept part for dp and ds (key 3 ≤ query 30)
+    flip = AccumulatorFault("bitflip", 27, 0.0, 30, 3, 0.0, 0.0)
+    forward = attention_forward(q, k, v, 0.2, causal)
+    clean = attention_backward(q, k, v, forward.out, forward.lse, do, 0.2, causal)
+    bad = attention_backward(q, k, v, forward.out, forward.lse, do, 0.2, causal, HeadFault(4, stage, flip))
+    check = BACKWARD_CHECKS.index(stage)
+    assert int(bad.values[check].argmax()) == 4
+    assert bad.values[check, 4] > 100 * clean.values[check].max()
+    assert torch.equal(bad.values[:, :4], clean.values[:, :4])  # other heads untouched
+
+
+STAGE_FAULTS = [  # (site kind, stage, step, detected at, wrong pass); forward qk/softmax faults show up in
+    # the backward checks (through the saved lse), a forward pv fault in both (O feeds D = rowsum(dO ⊙ O))
     ("attn_fwd", "pv", 20, "attn_fwd", "forward"),
+    ("attn_bwd", "dp", 21, "attn_bwd", "backward"),
+    ("attn_bwd", "ds", 23, "attn_bwd", "backward"),
+    ("attn_bwd", "dq", 25, "attn_bwd", "backward"),
+    ("attn_bwd", "dk", 27, "attn_bwd", "backward"),
     ("attn_fwd", "qk", 22, "attn_bwd", "forward"),
     ("attn_fwd", "softmax", 24, "attn_bwd", "forward"),
     ("attn_bwd", "qk", 26, "attn_bwd", "backward"),
@@ -130,11 +156,11 @@ def test_faults_in_every_stage_are_confirmed_with_site_step_batch_and_head(tmp_p
     summary = guard.close()
     heads = MEDIUM.n_heads
     injected = {inj.step: inj.head for inj in guard.injector.log if ":attn_" in inj.site}
-    found = {i.step: i for i in guard.incidents}
-    assert set(found) == {step for _, _, step, _, _ in STAGE_FAULTS} and summary.false_alarms == 0
+    found = {(i.step, i.site.name): i for i in guard.incidents}
+    assert {step for step, _ in found} == {step for _, _, step, _, _ in STAGE_FAULTS} and summary.false_alarms == 0
     for _, _, step, detected_at, wrong_pass in STAGE_FAULTS:
-        incident = found[step]
-        assert incident.site.name == f"layers.0.attn:{detected_at}" and incident.identity.rank == 0
+        incident = found[(step, f"layers.0.attn:{detected_at}")]
+        assert incident.identity.rank == 0
         batch, head = divmod(incident.evidence.index, heads)
         assert incident.evidence.index == injected[step]
         assert f"batch {batch}, head {head}" in incident.verdict.detail
@@ -179,3 +205,29 @@ def test_two_guards_closed_in_either_order_leave_sdpa_and_checkpoint_working(tmp
     train(first_model, data, first_opt, 1)  # both closed: the originals are back
     assert F.scaled_dot_product_attention is original_sdpa
     assert torch.utils.checkpoint.checkpoint is original_checkpoint
+
+
+def test_a_wrong_reference_side_is_confirmed_not_taken_for_noise():
+    # A replay that reproduces every output but not the check's own values means the step computed
+    # its reference side wrong (a device fault that did not touch training): confirmed, never a
+    # false alarm (which would raise the threshold). A replay that reproduces both is a false alarm.
+    from aegis_sdc.events import VerdictKind
+    from aegis_sdc.ops.checked_attention import CallReplay
+    from aegis_sdc.sensors.attention import AttentionCapture
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v, do = (torch.randn(4, 24, 16, generator=g) for _ in range(4))
+    forward = attention_forward(q, k, v, 0.25, True)
+    backward = attention_backward(q, k, v, forward.out, forward.lse, do, 0.25, True)
+    grads = (backward.dq, backward.dk, backward.dv)
+    replay = CallReplay(1, q, k, v, 0.25, True, forward.out, forward.lse, do, grads)
+    clean = AttentionCapture(replay, True, 0, 1, backward.values[:, 1].clone())
+    assert clean.verdict()[0] is VerdictKind.FALSE_ALARM
+    wrong_reference = backward.values[:, 1].clone()
+    wrong_reference[2] += 1.0  # the ds check's value, as a faulty fp64 sum would leave it
+    kind, _, detail = AttentionCapture(replay, True, 0, 1, wrong_reference).verdict()
+    assert kind is VerdictKind.CONFIRMED_SDC and "reference side" in detail
+    forward_replay = CallReplay(3, q, k, v, 0.25, True, forward.out, forward.lse)
+    assert AttentionCapture(forward_replay, False, 0, 3, forward.values[3:4].clone()).verdict()[0] is (
+        VerdictKind.FALSE_ALARM
+    )

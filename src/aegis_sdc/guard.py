@@ -18,6 +18,7 @@ The step ends in the optimizer's step hooks, or at `Guard.step()` for loops with
 
 from __future__ import annotations
 
+import functools
 import platform
 import time
 import warnings
@@ -276,8 +277,7 @@ class Guard:
                 clock=self.clock, records=self.attention_records,
             )  # fmt: skip
             for site, backward in zip(sites, (False, True), strict=True):
-                state = sensor.states[backward]
-                self._false_alarm_handlers[site.id] = lambda evidence, state=state: state.on_false_alarm(evidence.value)
+                self._false_alarm_handlers[site.id] = functools.partial(sensor.on_false_alarm, backward)
         return sensor
 
     def _setup_fingerprints(self, model: nn.Module, config: GuardConfig) -> None:

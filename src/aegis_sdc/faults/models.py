@@ -28,7 +28,7 @@ import torch
 from aegis_sdc.hashing import unit_hash
 
 MODELS = ("bitflip", "perturb")
-ATTENTION_STAGES = ("qk", "softmax", "pv")
+ATTENTION_STAGES = ("qk", "softmax", "pv", "dp", "ds", "dq", "dk")
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class FaultSpec:
     seed: int = 0
     affects_replay: bool = False  # a persistent fault: replays compute the same corruption
     ranks: tuple[int, ...] = ()  # the ranks whose device is faulty (empty: every rank)
-    stage: str = "pv"  # attention sites: "qk" (a score), "softmax" (a probability), "pv" (an accumulator)
+    # attention sites: "qk" (a score), "softmax" (a probability), "pv" (an accumulator of O or dV);
+    # backward only: "dp" (dP = dO·Vᵀ), "ds" (dS = P ∘ (dP − D)), "dq" / "dk" (their accumulators)
+    stage: str = "pv"
     head: int | None = None  # attention sites: the (batch · heads + head) corrupted; drawn from the seed when None
 
     def __post_init__(self) -> None:

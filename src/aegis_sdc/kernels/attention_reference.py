@@ -6,20 +6,31 @@ expanded), scale c, optional causal mask (queries aligned to the end of the keys
     forward   S = c·q·kᵀ (fp32),  m = max_k S,  p = exp(S − m),  ℓ = Σ_k p,  P = p / ℓ,  lse = m + log ℓ,
               O_acc = P·V (fp32); the checksum compares O_acc·1 with P·(V·1) (fp64), a checksum column
               of V taken from the accumulator before O is rounded to the input dtype
-    backward  P is recomputed from q, k and the saved lse; dV = Pᵀ·dO (fp32). Every row of P sums to 1,
-              so 1ᵀdV = 1ᵀPᵀdO = (P·1)ᵀdO = 1ᵀdO — the backward invariant, which also checks the
-              recomputation of P (a wrong score, exponent or saved lse breaks the row sums);
-              dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(dO ⊙ O)), dQ = c·dS·k, dK = c·dSᵀ·q.
+    backward  P is recomputed from q, k and the saved lse; dV = Pᵀ·dO (fp32), dP = dO·Vᵀ,
+              D = rowsum(dO ⊙ O), dS = P ⊙ (dP − D), dQ = c·dS·k, dK = c·dSᵀ·q. Five checks:
+      dv      every row of P sums to 1, so 1ᵀdV = 1ᵀPᵀdO = (P·1)ᵀdO = 1ᵀdO — which also checks the
+              recomputation of P (a wrong score, exponent or saved lse breaks the row sums)
+      dp      a GEMM row check of dP: dP·1 against dO·(Vᵀ·1)
+      ds      the softmax-backward identity: Σ_k dS_qk = Σ_k P_qk dP_qk − D_q Σ_k P_qk = 0, since
+              D_q = dO_q·O_q = Σ_k P_qk (dO_q·V_k) = Σ_k P_qk dP_qk. It holds to the rounding of O (D is
+              taken from the output, as FlashAttention takes it), so its scale carries that term:
+              a fault in dP, D or the elementwise dS that moves a row sum beyond it is seen
+      dq, dk  GEMM row checks of the accumulators of dS·k and dSᵀ·q: dQ·1 against dS·(K·1) and
+              dKᵀ·1 against dSᵀ·(Q·1) (c applied after the check). With ds they give Σ_keys dK = 0
+              and dQ·1 = c·dS·(K·1), the issue's invariants, each check covering its own stage.
 
 Normalized differences per head (units of fp32 rounding u = 2⁻²⁴), the largest over rows / columns:
     forward   |O_acc·1 − P·(V·1)|_q / (u·s_q),  s_q = sqrt(Σ_k P²_qk ‖V_k‖²)   (as for a GEMM)
-    backward  |1ᵀdV − 1ᵀdO|_d / (u·t_d),          t_d = Σ_q |dO_qd|
-A correct backward stays below Sq + Sk + 8: the row sums of P are 1 within (Sk + 3)·u, and the fp32
-sums of dV over the queries add at most Sq·u of Σ_qk P_qk |dO_qd| = t_d per column (`backward_bound`).
+    dv        |1ᵀdV − 1ᵀdO|_d / (u·t_d),          t_d = Σ_q |dO_qd|
+    dp, dq, dk  as for a GEMM: |C·1 − A·(B·1)|_i / (u·sqrt(Σ_k A²_ik ‖B_k,:‖²))
+    ds        |Σ_k dS_qk| / (u·Σ_k |dS_qk| + u_O·Σ_d |dO_qd O_qd|),  u_O the rounding of O's dtype
+A correct dv stays below Sq + Sk + 8: the row sums of P are 1 within (Sk + 3)·u, and the fp32 sums
+of dV over the queries add at most Sq·u of Σ_qk P_qk |dO_qd| = t_d per column (`backward_bound`).
 
 The same call replays bit for bit on a healthy device: the verifier reruns the whole call (the same
 batched shapes) and compares the suspect head. Faults (`stage`): ``qk`` corrupts one score, ``softmax``
-one unnormalized probability, ``pv`` one accumulator element of O (forward) or dV (backward).
+one unnormalized probability, ``pv`` one accumulator element of O (forward) or dV (backward), and in
+backward ``dp``, ``ds``, ``dq``, ``dk`` one element of those.
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ import torch
 from aegis_sdc.kernels.numerics import exact_fp32
 from aegis_sdc.kernels.reference import U32, AccumulatorCorruption
 
-STAGES = ("qk", "softmax", "pv")
+STAGES = ("qk", "softmax", "pv", "dp", "ds", "dq", "dk")
+BACKWARD_CHECKS = ("dv", "dp", "ds", "dq", "dk")  # the rows of `Backward.values`
 
 
 @dataclass
@@ -57,7 +69,7 @@ class Backward:
     dq: torch.Tensor  # [N, Sq, D] fp32
     dk: torch.Tensor  # [N, Sk, D] fp32 (per query head: GQA sums are the op's)
     dv: torch.Tensor  # [N, Sk, D] fp32
-    values: torch.Tensor  # [N] fp64: normalized backward differences
+    values: torch.Tensor  # [len(BACKWARD_CHECKS), N] fp64: normalized differences, check by check
     raw_l2: torch.Tensor  # [N] fp64: ‖1ᵀdV − 1ᵀdO‖₂ per head
 
 
@@ -111,22 +123,42 @@ def _forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None) -> Fo
     return Forward(acc.to(q.dtype), (m + torch.log(ell)).squeeze(-1), values, diff.norm(dim=1))
 
 
+def _gemm_rows(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The GEMM row check of acc = a·b (batched, [N, R, C]): the largest |acc·1 − a·(b·1)| / (u·s) per head."""
+    a64, b64 = a.double(), b.double()
+    ref = torch.bmm(a64, b64.sum(dim=-1, keepdim=True)).squeeze(-1)
+    scale = torch.bmm(a64 * a64, (b64 * b64).sum(dim=-1, keepdim=True)).squeeze(-1).sqrt()
+    return _largest((acc.double().sum(dim=-1) - ref).abs() / (U32 * scale).clamp_min(1e-300))
+
+
 def _backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None) -> Backward:
     s = _corrupt(_scores(q, k, scale, causal), fault, "qk")
     probs = _corrupt(torch.exp(s - lse.float()[..., None]), fault, "softmax")
-    do32 = dout.float()
+    do32, q32, k32, v32, o32 = dout.float(), q.float(), k.float(), v.float(), out.float()
     dv = _corrupt(torch.bmm(probs.transpose(1, 2), do32), fault, "pv")  # [N, Sk, D] fp32 accumulator
     col_dv = dv.double().sum(dim=1)  # [N, D]: 1ᵀdV
     col_do = do32.double().sum(dim=1)  # [N, D]: 1ᵀdO
     t = do32.double().abs().sum(dim=1)
     diff = col_dv - col_do
-    values = _largest(diff.abs() / (U32 * t).clamp_min(1e-300))
-    dp = torch.bmm(do32, v.float().transpose(1, 2))
-    delta = (do32 * out.float()).sum(dim=-1, keepdim=True)
-    ds = probs * (dp - delta)
-    dq = torch.bmm(ds, k.float()) * scale
-    dk = torch.bmm(ds.transpose(1, 2), q.float()) * scale
-    return Backward(dq, dk, dv, values, diff.norm(dim=1))
+    dv_values = _largest(diff.abs() / (U32 * t).clamp_min(1e-300))
+    vt = v32.transpose(1, 2)
+    dp = _corrupt(torch.bmm(do32, vt), fault, "dp")  # [N, Sq, Sk]
+    delta = (do32 * o32).sum(dim=-1, keepdim=True)
+    ds = _corrupt(probs * (dp - delta), fault, "ds")
+    dq_acc = _corrupt(torch.bmm(ds, k32), fault, "dq")  # [N, Sq, D] fp32 accumulator of dS·k
+    dk_acc = _corrupt(torch.bmm(ds.transpose(1, 2), q32), fault, "dk")  # [N, Sk, D] of dSᵀ·q
+    u_out = torch.finfo(out.dtype).eps / 2
+    ds64 = ds.double()
+    ds_scale = U32 * ds64.abs().sum(dim=-1) + u_out * (do32.double() * o32.double()).abs().sum(dim=-1)
+    ds_values = _largest(ds64.sum(dim=-1).abs() / ds_scale.clamp_min(1e-300))
+    values = torch.stack([
+        dv_values,
+        _gemm_rows(dp, do32, vt),
+        ds_values,
+        _gemm_rows(dq_acc, ds, k32),
+        _gemm_rows(dk_acc, ds.transpose(1, 2), q32),
+    ])  # fmt: skip
+    return Backward(dq_acc * scale, dk_acc * scale, dv, values, diff.norm(dim=1))
 
 
 def backward_bound(queries: int, keys: int) -> float:

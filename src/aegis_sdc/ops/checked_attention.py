@@ -95,6 +95,13 @@ class CallReplay:
         again = attention_forward(self.q, self.k, self.v, self.scale, self.causal)
         return again.out[self.head], again.lse[self.head]
 
+    def check_values(self, backward: bool) -> torch.Tensor:
+        """The head's check values [checks] as a replay computes them (forward: one value)."""
+        if backward:
+            again = attention_backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal)
+            return again.values[:, self.head]
+        return attention_forward(self.q, self.k, self.v, self.scale, self.causal).values[self.head : self.head + 1]
+
     def backward_outputs(self) -> tuple[torch.Tensor, ...]:
         again = attention_backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal)
         return again.dq[self.head], again.dk[self.head], again.dv[self.head]
