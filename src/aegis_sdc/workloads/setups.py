@@ -213,7 +213,9 @@ def run_setup(setup: Setup, config, *, steps: int, device: torch.device | str = 
         if not guard.closed:
             guard.close()
     thresholds = [s.row for s in guard.sensors] + [s.col for s in guard.sensors if s.col_check]
-    thresholds += [state for sensor in guard.attention_sensors.values() for state in sensor.states.values()]
+    thresholds += [
+        state for sensor in guard.attention_sensors.values() for states in sensor.states.values() for state in states
+    ]
     return SetupResult(
         setup=setup.name,
         steps=steps,
