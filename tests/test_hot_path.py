@@ -191,7 +191,7 @@ def test_a_checked_gemm_allocates_only_its_output(tmp_path):
 def test_a_checked_gemm_is_the_gemm_and_its_evidence(tmp_path):
     # A checked forward launches the checked GEMM (reference side and partials inside it) and its
     # evidence kernel (block sums, threshold compare, capture), nothing else; with the evidence inside
-    # the GEMM (`inline_evidence`, ~17% slower on the H200) it is one launch. The weight's sums are
+    # the GEMM (`inline_evidence`, 2–17% slower on the H200) it is one launch. The weight's sums are
     # taken once per weight and step, by the call that first needs them.
     import dataclasses as dc
 

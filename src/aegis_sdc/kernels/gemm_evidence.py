@@ -9,11 +9,11 @@ alarm, copies the replay context into a free slot of the capture pool.
 
 Two ways to run it (`TritonGemmConfig.inline_evidence`):
 - `evidence_kernel` (the default): a second launch right after the GEMM on the same stream, one
-  program per block; ~1% of a large GEMM's device time on the H200.
+  program per block; 1–2% of a large GEMM's device time on the H200.
 - inline: inside the GEMM launch. A tile's program counts the tile's arrival at its row (column)
   block one tile later — after the next tile's K loop, when the tile's stores have long landed — and
   the program that completes a block finishes it; the program that finishes the last block
-  concludes. Counters reset themselves. One launch, but the per-tile release and barrier cost ~17% of
+  concludes. Counters reset themselves. One launch, but the per-tile release and barrier cost 2–17% of
   the GEMM on the H200.
 
 Layout of the evidence slot (int64 [STATS_LEN]), decoded by sensors.gemm.decode_triton_stats.

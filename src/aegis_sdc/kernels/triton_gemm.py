@@ -145,36 +145,35 @@ def _owned_product(row_owner, col_owner, a_desc, b_desc, off_m, off_n, k_tiles, 
     """`_tile_product` with the reference sides this tile owns (row side: column block 0; column side:
     row block 0): one compiled K loop per combination, chosen per tile at run time — the tiles that own
     no side (all but one column and one row of tiles) run the plain GEMM loop."""
-    if ROW_SIDE and COL_SIDE:
-        if row_owner & col_owner:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                              True, True, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
-        elif row_owner:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                              True, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
-        elif col_owner:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                              False, True, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
-        else:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                              False, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
-    elif ROW_SIDE:
+    if ROW_SIDE:
         if row_owner:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                              True, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
+            acc, rside, cside = _with_column_side(col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr,
+                                                  side_u_ptr, True, COL_SIDE, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
         else:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                              False, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
-    elif COL_SIDE:
+            acc, rside, cside = _with_column_side(col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr,
+                                                  side_u_ptr, False, COL_SIDE, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
+    else:
+        acc, rside, cside = _with_column_side(col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr,
+                                              side_u_ptr, False, COL_SIDE, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
+    return acc, rside, cside
+
+
+@triton.jit
+def _with_column_side(col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
+                      ROW_ON: tl.constexpr, COL_SIDE: tl.constexpr, FOLD: tl.constexpr, A_T: tl.constexpr,
+                      B_T: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr):  # fmt: skip
+    """`_tile_product` with the row side as decided (ROW_ON) and the column side if this tile owns it."""
+    if COL_SIDE:
         if col_owner:
             acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                              False, True, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
+                                              ROW_ON, True, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
         else:
             acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                              False, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
+                                              ROW_ON, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
     else:
         acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                          False, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
+                                          ROW_ON, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
     return acc, rside, cside
 
 
@@ -331,7 +330,8 @@ class TritonGemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     # The evidence inside the GEMM launch, else in a second launch. Measured on the H200 (gate/up
-    # 8192×2048×5632): counting every tile at its block costs the GEMM ~17%, a second launch ~1%.
+    # 8192×2048×5632, benchmarks/results/gemm_diagnose.json): counting every tile at its block cost the
+    # GEMM 2–17% (17% on the forward), a second launch 1–2%.
     inline_evidence: bool = False
     # K tiles per fp32 chain of the reference-side MMAs, folded into fp64 (0: all of K). Folding cost
     # 1–3% of the GEMM on the H200, and the side's error is small next to the accumulator's own
@@ -502,8 +502,9 @@ def _variant_key(kernel, args: tuple, constexprs: dict, options: dict) -> tuple:
 def _launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict) -> None:
     """kernel[grid](*args, **constexprs, **options), with the compiled variant reused directly.
 
-    Triton's own launch binds and specializes every argument in Python on every call (~60 µs for
-    these kernels' ~45 arguments, measured on the H200) — more than a small GEMM's GPU time. The
+    Triton's own launch binds and specializes every argument in Python on every call: 120–240 µs
+    of host time per launch of these kernels' ~45 arguments on the H200 — more than a small GEMM's
+    GPU time; launched this way, 60–120 µs. The
     kernels specialize on nothing but their constexprs, the operands' dtypes and the descriptors'
     block shapes (integers are `do_not_specialize`; every pointer is 16-byte aligned: TMA requires
     it, the allocator gives it), so a variant is keyed on those and launched through its compiled
