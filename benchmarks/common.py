@@ -1,17 +1,19 @@
-"""What the GPU benchmarks share: the record they write (`gpu_environment`, `write_result`) and the
-timed training-step loop (`timed_steps`). Imported as `common` (benchmarks/ is the script's directory)."""
+"""What the GPU benchmarks share: the record they write (`gpu_environment`, `write_result`), the
+timed training-step loop (`timed_steps`) and the two clocks of a kernel (`device_ms`, `host_us`).
+Imported as `common` (benchmarks/ is the script's directory)."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import triton
+from triton.testing import do_bench_cudagraph
 
 from aegis_sdc.workloads.llama import lm_loss
 
@@ -31,6 +33,27 @@ def timed_steps(model, optimizer, batches: Iterable[tuple[torch.Tensor, torch.Te
         if i >= warmup:
             times.append(start.elapsed_time(end))
     return times
+
+
+def device_ms(fn: Callable[[], Any]) -> float:
+    """GPU milliseconds per call of `fn`: calls unrolled into one CUDA graph and replayed
+    (`triton.testing.do_bench_cudagraph`, median of its replays). What the GPU spends, without the
+    host's launch time, which `do_bench` adds whenever a call's host work outlasts its kernel (a
+    small GEMM): the kernel's speed is measured here, the launch path by `host_us`."""
+    return do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+
+def host_us(fn: Callable[[], Any], n: int = 200) -> float:
+    """Host microseconds per call, calls queued without synchronizing: what one call costs the
+    training thread (a step is host-bound when these add up to more than its GPU time)."""
+    fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - started
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
 
 
 def gpu_environment(**extra: Any) -> dict[str, Any]:

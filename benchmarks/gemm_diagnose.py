@@ -1,9 +1,9 @@
 """Where a checked GEMM's time goes (GPU diagnostic): the parts of a check switched on one by one.
 
-For a few shapes, device time (`do_bench` median) of: cuBLAS; our kernel unchecked; with the
-reference side only (no partials, no evidence); with the epilogue partials only (no side, no
-evidence); the full row check with evidence inside the launch, in a second launch, and with the side
-folded over all of K (`side_fold=0`). Then the host time per launch (launches queued back to back,
+For a few shapes, device time (`common.device_ms`: CUDA-graph replays) of: cuBLAS; our kernel
+unchecked; with the reference side only (no partials, no evidence); with the epilogue partials only (no side, no
+evidence); the full row check with evidence inside the launch and in a second launch; the wgrad's
+row+col check. Then the host time per launch (launches queued back to back,
 no synchronization), and the registers and spills of every compiled variant.
 
     python benchmarks/gemm_diagnose.py [--out benchmarks/results/gemm_diagnose.json]
@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 from pathlib import Path
 
 import torch
-from common import gpu_environment, write_result
+from common import device_ms, gpu_environment, host_us, write_result
 from gemm import Case
-from triton.testing import do_bench
 
 from aegis_sdc.kernels import triton_gemm as tg
 
@@ -37,7 +35,6 @@ def variants(case: Case) -> dict:
                    pool=case.pools[tg.CAPTURE_ROWS], capture=tg.CAPTURE_ROWS, row_threshold=1e30)  # fmt: skip
     inline = dataclasses.replace(cfg, inline_evidence=True)
     separate = dataclasses.replace(cfg, inline_evidence=False)
-    unfolded = dataclasses.replace(cfg, side_fold=0)
     return {
         "unchecked": launch(),
         "side_only": launch(c_side=case.c_side, row_side=True, evidence=False),
@@ -45,20 +42,8 @@ def variants(case: Case) -> dict:
         "side_and_partials": launch(c_side=case.c_side, row_side=True, row_check=True, evidence=False),
         "row_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **checked),
         "row_separate": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": separate}, **checked),
-        "row_fold0": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": unfolded}, **checked),
+        "rowcol": case.ours("rowcol"),
     }
-
-
-def host_us(fn, n: int = 200) -> float:
-    """Host microseconds per call, calls queued without synchronizing (the GPU falls behind)."""
-    fn()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(n):
-        fn()
-    elapsed = time.perf_counter() - started
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
 
 
 def profile_host() -> None:
@@ -96,10 +81,10 @@ def main() -> None:
         for kind in ("fwd", "wgrad"):
             case = Case(kind, m, k, n)
             row = {"layer": name, "M": m, "K": k, "N": n, "gemm": kind}
-            row["cublas_ms"] = do_bench(case.cublas, warmup=25, rep=100, return_mode="median")
+            row["cublas_ms"] = device_ms(case.cublas)
             row["cublas_host_us"] = host_us(case.cublas)
             for label, fn in variants(case).items():
-                row[f"{label}_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                row[f"{label}_ms"] = device_ms(fn)
                 row[f"{label}_ratio"] = row["cublas_ms"] / row[f"{label}_ms"]
                 row[f"{label}_host_us"] = host_us(fn)
             rows.append(row)

@@ -2,10 +2,10 @@
 
 For every shape class (`triton_gemm.shape_class`) the GEMMs of `gemm.MODELS` that fall in it (at the
 token counts given) are timed, checked as the training step checks them (`rowcol`: row checks, plus
-columns on wgrad), under each candidate configuration; the candidate with the best geometric mean of
-cuBLAS time ÷ ours wins. Writes every timing and the winners to JSON and prints the table to paste
-into `HOPPER_TABLE`. A configuration changes which bits a tile computes: the table is fixed in the
-code, never chosen at run time.
+columns on wgrad), under each candidate configuration (GPU time, `common.device_ms`); the
+candidate with the best geometric mean of cuBLAS time ÷ ours wins. Writes every timing and the
+winners to JSON and prints the table to paste into `HOPPER_TABLE`. A configuration changes which
+bits a tile computes: the table is fixed in the code, never chosen at run time.
 
     python benchmarks/gemm_tune.py [--classes narrow-n,...] [--tokens 2048,8192] [--out ...]
 """
@@ -20,18 +20,15 @@ import time
 from pathlib import Path
 
 import torch
-from common import gpu_environment
+from common import device_ms, gpu_environment
 from gemm import MODELS, Case
-from triton.testing import do_bench
 
 from aegis_sdc.kernels import triton_gemm as tg
 
 BASE = tg.HOPPER_CONFIG
 CANDIDATES = {
     "128x256x64 w8 s3": BASE,
-    "128x256x64 w8 s3 fold16": dataclasses.replace(BASE, side_fold=16),
-    "128x256x64 w8 s3 separate-evidence": dataclasses.replace(BASE, inline_evidence=False),
-    "128x256x64 w8 s3 fold0": dataclasses.replace(BASE, side_fold=0),
+    "128x256x64 w8 s4": dataclasses.replace(BASE, num_stages=4),
     "128x128x64 w8 s4": dataclasses.replace(BASE, block_n=128, num_stages=4),
     "128x128x64 w4 s4": dataclasses.replace(BASE, block_n=128, num_warps=4, num_stages=4),
     "64x256x64 w4 s4": dataclasses.replace(BASE, block_m=64, num_warps=4, num_stages=4),
@@ -85,7 +82,7 @@ def main() -> None:
         scores: dict[str, list[float]] = {name: [] for name in CANDIDATES}
         for label, m, k, n, kind in cases:
             case = Case(kind, m, k, n)
-            cublas = do_bench(case.cublas, warmup=25, rep=100, return_mode="median")
+            cublas = device_ms(case.cublas)
             for name, cfg in CANDIDATES.items():
                 tg.set_config(cfg)
                 try:
@@ -95,7 +92,7 @@ def main() -> None:
                     case.pools = {c: tg.CapturePool.allocate(4, *tg.CapturePool.layout(*case.shape, c, cfg),
                                                              torch.bfloat16, "cuda")
                                   for c in (tg.CAPTURE_ROWS, tg.CAPTURE_TILE)}  # fmt: skip
-                    ms = do_bench(case.ours("rowcol"), warmup=25, rep=100, return_mode="median")
+                    ms = device_ms(case.ours("rowcol"))
                     ratio = cublas / ms
                 except Exception as error:  # a configuration that does not compile or fit: out
                     ms, ratio = None, 0.0

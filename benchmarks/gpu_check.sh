@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work each (a call is limited to 10 minutes):
 #   kernel        the checked GEMM's GPU tests, the accumulation-noise diagnostic, one model's GEMM speed
+#   diagnose      where a checked GEMM's time goes (results/gemm_diagnose.json) and a host profile of launches
 #   tune          choose the configuration per shape class (benchmarks/gemm_tune.py → results/gemm_tune.json)
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
 #   sensitivity   detection at r = 1 and false alarms at three shape classes (results/sensitivity.json)
@@ -20,6 +21,9 @@ case "${1:-tests}" in
     timeout 120 python benchmarks/noise_gpu.py 2>&1 | tee "$out/noise_gpu.log"
     timeout 150 python benchmarks/gemm.py --models tinyllama-1.1b --tokens 8192 --out "$out/gemm_tinyllama.json" \
       2>&1 | tee "$out/gemm_tinyllama.log" | tail -25 ;;
+  diagnose)
+    timeout 200 python benchmarks/gemm_diagnose.py --out "$out/gemm_diagnose.json" 2>&1 | tee "$out/gemm_diagnose.log" | tail -12
+    timeout 60 python benchmarks/gemm_diagnose.py --profile-host > "$out/gemm_host_profile.txt" 2>&1 ;;
   tune)
     timeout 570 python benchmarks/gemm_tune.py --out "$out/gemm_tune.json" 2>&1 | tee "$out/gemm_tune.log" ;;
   gemm-1)
@@ -46,5 +50,5 @@ case "${1:-tests}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|tune|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|diagnose|tune|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

@@ -54,7 +54,9 @@ class Gemm:
         self.dy = torch.empty(m, n, device=device, dtype=bf16)
         shape = {"fwd": (m, n), "dgrad": (m, k), "wgrad": (n, k)}[kind]
         self.out = torch.empty(*shape, device=device, dtype=bf16)
-        self.counters = torch.zeros(tg.counters_needed(*shape, tg.default_config()), dtype=torch.int32, device=device)
+        reduction = {"fwd": k, "dgrad": n, "wgrad": m}[kind]
+        cfg = tg.config_for(*shape, reduction)  # the launch's own configuration (its shape class)
+        self.counters = torch.zeros(tg.counters_needed(*shape, cfg), dtype=torch.int32, device=device)
 
     def refill(self) -> None:
         self.x.normal_()

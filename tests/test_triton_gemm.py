@@ -204,21 +204,30 @@ def test_nonfinite_operands_raise_the_nonfinite_flag():
 
 
 @pytest.mark.parametrize("kind", ["fwd", "wgrad"])
-def test_folding_the_reference_side_leaves_every_output_bit(kind):
-    # Folding the side MMAs' fp32 chains into fp64 changes only the reference side (to within its
-    # bound), never the main accumulator: outputs and checksum partials are bit for bit the same.
-    m, k, n = 64, 80, 96  # 5 K tiles of 16: folds of 2 leave a partial last chain
+def test_the_reference_side_is_spread_over_the_tiles_by_k_slices(kind):
+    # Tile j of a row block computes K slice j of tiles_n of A·c (tile i of a column block slice i of
+    # u1ᵀB): as many slices as tiles, each within an fp32 chain's bound of its exact slice sum, and
+    # the same whatever the tiling (two column-tile widths give 3 and 2 slices of 5 K tiles).
+    m, k, n = 64, 80, 96  # 5 K tiles of 16
     a, b, flags, logical = orientation(kind, m, k, n, torch.float16, seed=5)
-    runs = [launch(a, b, flags, logical, torch.float16, cfg=dataclasses.replace(tg.default_config(), side_fold=f))
-            for f in (0, 2)]  # fmt: skip
-    (out0, res0, *_), (out2, res2, *_) = runs
-    assert torch.equal(out0, out2) and torch.equal(res0.row_part, res2.row_part)
-    assert torch.equal(res0.col_part, res2.col_part) and torch.equal(res0.rsq_part, res2.rsq_part)
     A64, B64 = logical[0].double().cpu(), logical[1].double().cpu()
-    exact = A64 @ B64.sum(1)
-    bound = 2 * k * U32 * (A64.abs() @ B64.sum(1).abs()) + 1e-30
-    for res in (res0, res2):
-        assert torch.all((res.rowref.cpu() - exact).abs() <= bound)
+    c, u1 = B64.sum(1), A64.sum(0)
+    for block_n in (32, 64):
+        cfg = dataclasses.replace(tg.default_config(), block_n=block_n)
+        _, res, stats, *_ = launch(a, b, flags, logical, torch.float16, cfg=cfg)
+        tiles_m, tiles_n = -(-m // cfg.block_m), -(-n // block_n)
+        assert res.rowref_parts.shape == (tiles_n, m) and res.colref_parts.shape == (tiles_m, n)
+        k_tiles = -(-k // cfg.block_k)
+        for j in range(tiles_n):  # slice j: K tiles [j·k_tiles/tiles_n, (j+1)·k_tiles/tiles_n)
+            ks = slice(j * k_tiles // tiles_n * cfg.block_k, (j + 1) * k_tiles // tiles_n * cfg.block_k)
+            exact = A64[:, ks] @ c[ks]
+            # an fp32 chain of at most k products, each exact (three dtype parts of c; fp32 products)
+            bound = 3 * k * U32 * (A64[:, ks].abs() @ c[ks].abs()) + 1e-30
+            assert torch.all((res.rowref_parts[j].cpu() - exact).abs() <= bound)
+        exact = u1 @ B64
+        bound = 3 * k * U32 * (u1.abs() @ B64.abs()) + 1e-30
+        assert torch.all((res.colref.cpu() - exact).abs() <= bound)
+        assert decode(stats)["alarm"] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only regression check")

@@ -1,7 +1,8 @@
 """Evidence of the checked GEMM: per-block normalized differences, the launch's verdict, captures.
 
 The GEMM's tiles leave per-tile partials (accumulator sums and sums of squares, rounded-output sums)
-and the reference sides. A block (BM rows, or BN columns for a column check) is finished by summing
+and the reference sides per K slice (tile j of a row block computed slice j of its A·c). A block
+(BM rows, or BN columns for a column check) is finished by summing
 its partials in fp64 in a fixed order, normalizing each difference |C·1 − A·c| by u·‖C_i‖ (u = 2⁻²⁴),
 and folding the block maximum into a packed (value, index) atomic max of the launch's evidence slot.
 When every block is finished, one program compares the maxima with the site's thresholds and, on an
@@ -9,7 +10,8 @@ alarm, copies the replay context into a free slot of the capture pool.
 
 Two ways to run it (`TritonGemmConfig.inline_evidence`):
 - `evidence_kernel` (the default): a second launch right after the GEMM on the same stream, one
-  program per block; 1–2% of a large GEMM's device time on the H200.
+  program per block; 1–2% of a large GEMM's device time on the H200. It also finishes the by-product
+  A·1 (and its S) that a later wgrad check reads, also for an unchecked call that asks for it.
 - inline: inside the GEMM launch. A tile's program counts the tile's arrival at its row (column)
   block one tile later — after the next tile's K loop, when the tile's stores have long landed — and
   the program that completes a block finishes it; the program that finishes the last block
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from aegis_sdc.kernels.gemm_side import store_side
 
 # Kernels may read module globals only when they are tl.constexpr.
 U32 = tl.constexpr(2.0**-24)
@@ -69,12 +73,13 @@ def block_evidence(part_ptr, sq_ptr, ref_ptr, parts, size, start, stats_ptr, sta
     """Finish one row (or column) block: fp64 sums of its partials, normalized difference, packed max.
 
     `part_ptr`, `sq_ptr` [parts, size]: accumulator sums and sums of squares per tile; `ref_ptr`
-    [size]: the reference side. A sum of squares that overflowed fp32 (|C| ≳ 10¹⁹) counts as non-finite."""
+    [parts, size]: the reference side per K slice (as many slices as tiles). A sum of squares that
+    overflowed fp32 (|C| ≳ 10¹⁹) counts as non-finite."""
     offs = start + tl.arange(0, BLOCK)
     mask = offs < size
     total = _sum_parts(part_ptr, parts, size, offs, mask, 16)
     sq = _sum_parts(sq_ptr, parts, size, offs, mask, 16)
-    ref = tl.load(ref_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    ref = _sum_parts(ref_ptr, parts, size, offs, mask, 16)
     raw = tl.where(mask, tl.abs(total - ref), 0.0)
     tl.atomic_add(stats_f64_ptr + L2_SLOT, tl.sum(raw * raw, axis=0))  # a statistic: order-free is fine
     diff = raw / tl.maximum(U32 * tl.sqrt(sq), TINY)
@@ -131,8 +136,9 @@ def _capture(a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr,
     Slot, data part (operand dtype): A's row block [BM, K] ([K, BM] when A_T); for a tile capture
     also B's column block [BN, K] when B_T else [K, BN].
     Slot, fp64 part — rows capture (all tiles j of the row block): row_part [tiles_n, BM],
-    out_part [tiles_n, BM], the row reference A·c [BM]; tile capture (tile i, j): row_part [BM],
-    out_part [BM], A·c [BM], col_part [BN], the column reference u1ᵀB [BN].
+    out_part [tiles_n, BM], the row reference A·c per K slice [tiles_n, BM]; tile capture (tile
+    i, j): row_part [BM], out_part [BM], A·c per slice [tiles_n, BM], col_part [BN], the column
+    reference u1ᵀB per slice [tiles_m, BN].
     """
     slot = tl.atomic_add(pool_counter_ptr, 1)
     if slot < POOL:
@@ -152,14 +158,14 @@ def _capture(a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr,
             j = col0 // BN
             _copy_parts(row_part_ptr + j * M, 1, M, row0, f32, BM)
             _copy_parts(out_part_ptr + j * M, 1, M, row0, f32 + BM, BM)
-            _copy_parts(rowref_ptr, 1, M, row0, f32 + 2 * BM, BM)
-            f32 += 3 * BM
+            _copy_parts(rowref_ptr, tiles_n, M, row0, f32 + 2 * BM, BM)
+            f32 += (2 + tiles_n) * BM
             _copy_parts(col_part_ptr + i * N, 1, N, col0, f32, BN)
-            _copy_parts(colref_ptr, 1, N, col0, f32 + BN, BN)
+            _copy_parts(colref_ptr, tl.cdiv(M, BM), N, col0, f32 + BN, BN)
         else:
             _copy_parts(row_part_ptr, tiles_n, M, row0, f32, BM)
             _copy_parts(out_part_ptr, tiles_n, M, row0, f32 + tiles_n * BM, BM)
-            _copy_parts(rowref_ptr, 1, M, row0, f32 + 2 * tiles_n * BM, BM)
+            _copy_parts(rowref_ptr, tiles_n, M, row0, f32 + 2 * tiles_n * BM, BM)
         tl.store(stats_ptr + _ST_SLOT, (slot + 1).to(tl.int64))
 
 
@@ -240,8 +246,11 @@ def evidence_kernel(
     out_part_ptr,
     col_part_ptr,
     csq_part_ptr,
-    rowref_ptr,
-    colref_ptr,
+    rowref_ptr,  # [tiles_n, M] fp64: A·c per K slice
+    rowones_ptr,  # [tiles_n, M] fp64: A·1 per K slice
+    colref_ptr,  # [tiles_m, N] fp64: u1ᵀB per K slice
+    byproduct_ptr,  # [M] fp64 out (BYPRODUCT): A·1
+    side_out_ptr,  # [M, 16] out (SIDE_OUT): S(A·1), the by-product as a later wgrad's side reads it
     counter_ptr,  # int32 [1]: zero before, left zero after
     stats_ptr,
     stats_f64_ptr,  # the same slot as fp64 (the L2 statistics)
@@ -263,25 +272,38 @@ def evidence_kernel(
     COL_CHECK: tl.constexpr,
     CAPTURE: tl.constexpr,
     POOL: tl.constexpr,
+    BYPRODUCT: tl.constexpr,
+    SIDE_OUT: tl.constexpr,
+    DT: tl.constexpr,  # the operands' dtype (of S(A·1))
     BM: tl.constexpr,
     BN: tl.constexpr,
 ):
     """The evidence as a second launch: one program per row block (then per column block); the last
-    program to finish concludes."""
+    program to finish concludes. A row block's program also sums the by-product A·1 when asked."""
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     pid = tl.program_id(0)
-    row_blocks = tiles_m if ROW_CHECK else 0
+    row_blocks = tiles_m if (ROW_CHECK or BYPRODUCT or SIDE_OUT) else 0
     if pid < row_blocks:
-        block_evidence(row_part_ptr, rsq_part_ptr, rowref_ptr, tiles_n, M, pid * BM, stats_ptr, stats_f64_ptr,
-                       _ST_ROW, _ST_ROW_L2SQ, BM)  # fmt: skip
+        if ROW_CHECK:
+            block_evidence(row_part_ptr, rsq_part_ptr, rowref_ptr, tiles_n, M, pid * BM, stats_ptr, stats_f64_ptr,
+                           _ST_ROW, _ST_ROW_L2SQ, BM)  # fmt: skip
+        if BYPRODUCT or SIDE_OUT:
+            offs = pid * BM + tl.arange(0, BM)
+            mask = offs < M
+            ones = _sum_parts(rowones_ptr, tiles_n, M, offs, mask, 16)
+            if BYPRODUCT:
+                tl.store(byproduct_ptr + offs, ones, mask=mask)
+            if SIDE_OUT:
+                store_side(side_out_ptr, offs, mask, ones, DT)
     else:
         block_evidence(col_part_ptr, csq_part_ptr, colref_ptr, tiles_m, N, (pid - row_blocks) * BN, stats_ptr,
                        stats_f64_ptr, _ST_COL, _ST_COL_L2SQ, BN)  # fmt: skip
-    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        tl.store(counter_ptr, 0)
-        conclude(stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr, colref_ptr,
-                 pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold, M, N, K, tiles_n,
-                 stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK, CAPTURE, POOL, A_T, B_T,
-                 BM, BN)  # fmt: skip
+    if ROW_CHECK or COL_CHECK:
+        done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:
+            tl.store(counter_ptr, 0)
+            conclude(stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr, colref_ptr,
+                     pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold, M, N, K, tiles_n,
+                     stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK, CAPTURE, POOL, A_T, B_T,
+                     BM, BN)  # fmt: skip

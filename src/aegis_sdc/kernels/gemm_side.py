@@ -18,7 +18,10 @@ Bᵀ·S(u1) the same way on the B tile.
 
 S is built once per vector, not per tile: a weight's two S matrices once per weight and step
 (with its sums), a by-product's S by the kernel that computes it (`store_side`), anything else by
-`SideMatrix.of` — and the kernel's K loop only loads [BK, 16] of it per step, like an operand tile.
+`SideMatrix.of` — and the kernel's K loop loads [BK, 16] of it per step through a TMA descriptor,
+like an operand tile: it lands in shared memory where the narrow MMA reads it, in the same pipeline
+as A and B. (Loaded through pointers, S went through registers into shared memory on every K step,
+which serialized the owner tiles' MMAs.)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 SIDE_N = tl.constexpr(16)  # columns of S
 SIDE_COLUMNS = 16
@@ -42,6 +46,14 @@ class SideMatrix:
     vec: torch.Tensor
     matrix: torch.Tensor
     scale: torch.Tensor
+    _descriptors: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def descriptor(self, block_k: int) -> TensorDescriptor:
+        """S as the kernel loads it, [block_k, 16] per K step (made once per block size)."""
+        desc = self._descriptors.get(block_k)
+        if desc is None:
+            desc = self._descriptors[block_k] = side_descriptor(self.matrix, block_k)
+        return desc
 
     @classmethod
     def of(cls, vec: torch.Tensor, dtype: torch.dtype) -> SideMatrix:
@@ -66,6 +78,11 @@ class SideMatrix:
         return cls(vec, matrix, _unit_scale(vec.device))
 
 
+def side_descriptor(matrix: torch.Tensor, block_k: int) -> TensorDescriptor:
+    """A TMA descriptor over an S [K, 16] (rows of 32 or 64 bytes: TMA's 16-byte rule holds)."""
+    return TensorDescriptor.from_tensor(matrix, [block_k, SIDE_COLUMNS])
+
+
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -78,11 +95,9 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def load_side(s_ptr, k0, K, UPCAST: tl.constexpr, BK: tl.constexpr):
-    """S's rows k0 … k0 + BK [BK, 16] (rows past K are zero)."""
-    rows = k0 + tl.arange(0, BK)
-    cols = tl.arange(0, SIDE_N)
-    s = tl.load(s_ptr + rows[:, None] * SIDE_N + cols[None, :], mask=(rows < K)[:, None], other=0.0)
+def load_side(s_desc, k0, UPCAST: tl.constexpr):
+    """S's rows k0 … k0 + BK [BK, 16] (TMA fills rows past K with zeros)."""
+    s = s_desc.load([k0, 0])
     return s.to(tl.float32) if UPCAST else s
 
 

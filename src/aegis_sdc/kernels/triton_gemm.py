@@ -4,21 +4,27 @@ One persistent kernel computes the GEMM tile by tile (TMA descriptors, fp32 accu
 split-K: every tile is reduced by one program in one fixed K order wherever it sits, so a tile
 replays bit for bit). What the checks add rides on work the kernel already does:
 
-- reference side on the tensor cores (kernels/gemm_side.py): the tiles of column block 0 run their
-  K loop with a second, narrow MMA A·S, S [K, 16] holding c = B·1 split into three parts of the
-  operand dtype and a ones column (built once per vector, loaded [BK, 16] per K step like an
-  operand tile) — A·c at fp32-level precision and A·1, the by-product a later wgrad check needs
-  (written as its S for bf16). For a column check the tiles of row block 0 do the same with
-  Bᵀ·S(u1), u1 = 1ᵀA. No second pass over an activation.
+- reference side on the tensor cores (kernels/gemm_side.py): A·c as a narrow MMA A·S, S [K, 16]
+  holding c = B·1 split into three parts of the operand dtype and a ones column (built once per
+  vector, loaded [BK, 16] per K step by TMA) — A·c at fp32-level precision and A·1, the by-product a
+  later wgrad check needs. The side is spread over the row block's tiles by K range: tile j of a
+  row block computes slice j of tiles_n, after its own K loop, re-reading that slice's A tiles (from
+  L2: the tile has just read them). The GEMM's K loop stays the unchecked loop with one MMA per step;
+  every tile adds the same ~1/tiles_n of a narrow pass, so no tile straggles. (Measured before on the
+  H200, the side inside the K loop of one column of tiles cost 3–25% of the GEMM: a second MMA in
+  the loop stalled its pipeline, and in a single wave every other tile waited for those.) The
+  slices are summed in fp64 in a fixed order by the evidence. A column check does the same with
+  Bᵀ·S(u1), u1 = 1ᵀA, slice i in the tiles of row block i. No second pass over an activation.
 - epilogue: per tile, the row sums and row sums of squares of the fp32 accumulator before rounding
   and the row sums of the rounded output — `row_part`, `rsq_part`, `out_part` [tiles_n, M] — and for a
   column check the column sums and sums of squares, `col_part`, `csq_part` [tiles_m, N]. A row's
   difference is scaled by the accumulator row's own norm ‖C_i‖: for products of independent signs
   E‖C_i‖² = Σ_k A_ik²‖B_k,:‖², the reference path's scale (kernels/reference.py), here free in the
   epilogue instead of a pass over A².
-- evidence (kernels/gemm_evidence.py): per block, fp64 sums of the partials, the normalized
-  differences, a packed atomic maximum; then the verdict against the site's thresholds and, on an
-  alarm, the capture of the replay context — inside this launch (`inline_evidence`) or in a second.
+- evidence (kernels/gemm_evidence.py): per block, fp64 sums of the partials and side slices, the
+  normalized differences, a packed atomic maximum; then the verdict against the site's thresholds
+  and, on an alarm, the capture of the replay context — inside this launch (`inline_evidence`) or in
+  a second, which also sums the by-product A·1 (and writes its S) for a later wgrad.
 
 Operand orientation (logical C[M, N] = A[M, K]·B[K, N]):
     A_T = False: `a` is A [M, K] row-major;   A_T = True: `a` is Aᵀ stored [K, M] row-major (wgrad's dYᵀ)
@@ -53,7 +59,14 @@ from aegis_sdc.kernels.gemm_evidence import (  # noqa: F401  (the evidence layou
     arrive,
     evidence_kernel,
 )
-from aegis_sdc.kernels.gemm_side import SIDE_N, SideMatrix, load_side, side_columns, store_side
+from aegis_sdc.kernels.gemm_side import (
+    SIDE_COLUMNS,
+    SIDE_N,
+    SideMatrix,
+    load_side,
+    side_columns,
+    side_descriptor,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Fault models (constexpr): 0 none, 1 perturb (add delta), 2 bitflip (xor bits)
@@ -85,102 +98,41 @@ def _load_b(b_desc, off_n, k, B_T: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _k_step(acc, rpart, cpart, ki, a_desc, b_desc, off_m, off_n, K, side_c_ptr, side_u_ptr,
-            ROW_SIDE: tl.constexpr, COL_SIDE: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
-            UPCAST: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """K tile `ki` of one output tile: the main MMA and, when asked, the reference-side MMAs on the
-    same operand tiles (rpart += A·S(c), cpart += Bᵀ·S(u1); S's rows are loaded like an operand)."""
-    a = _load_a(a_desc, off_m, ki * BK, A_T, UPCAST)
-    b = _load_b(b_desc, off_n, ki * BK, B_T, UPCAST)
-    acc = tl.dot(a, b, acc)
-    if ROW_SIDE:
-        rpart = tl.dot(a, load_side(side_c_ptr, ki * BK, K, UPCAST, BK), rpart)
-    if COL_SIDE:
-        cpart = tl.dot(tl.trans(b), load_side(side_u_ptr, ki * BK, K, UPCAST, BK), cpart)
-    return acc, rpart, cpart
-
-
-@triton.jit
-def _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                  ROW_SIDE: tl.constexpr, COL_SIDE: tl.constexpr, FOLD: tl.constexpr, A_T: tl.constexpr,
-                  B_T: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr):  # fmt: skip
-    """One tile's K loop, K tiles in one fixed order: acc [BM, BN] = A·B and, when asked, the
-    reference sides rside [BM, 16] = A·S(c), cside [BN, 16] = Bᵀ·S(u1), returned in fp64.
-
-    The side MMAs accumulate in fp32 over FOLD K tiles at a time and are folded into fp64 between
-    (FOLD = 0: over all of K). An fp32 chain of L products errs by ~u·L times a product's size, and
-    a side's products are large when c has a common part (c_t = Σ_f X_tf over features with nonzero
-    means, in a wgrad): folding every FOLD tiles cuts the side's error by √(K / (FOLD·BK)) at the
-    price of a pipeline drain per fold in the tiles that take a side. The main MMA's chain is the
-    same either way: acc is bit for bit the one a tile without a side computes."""
+def _main_loop(a_desc, b_desc, off_m, off_n, k_tiles, A_T: tl.constexpr, B_T: tl.constexpr, UPCAST: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """acc [BM, BN] = A·B of one tile, its K tiles in one fixed order: the unchecked GEMM's loop, one
+    MMA per step (the checks add nothing inside it)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if (ROW_SIDE or COL_SIDE) and FOLD > 0:
-        rside = tl.zeros((BM, SIDE_N), dtype=tl.float64)
-        cside = tl.zeros((BN, SIDE_N), dtype=tl.float64)
-        for k0 in range(0, k_tiles, FOLD):
-            rpart = tl.zeros((BM, SIDE_N), dtype=tl.float32)
-            cpart = tl.zeros((BN, SIDE_N), dtype=tl.float32)
-            for ki in range(k0, tl.minimum(k0 + FOLD, k_tiles)):
-                acc, rpart, cpart = _k_step(acc, rpart, cpart, ki, a_desc, b_desc, off_m, off_n, K, side_c_ptr,
-                                            side_u_ptr, ROW_SIDE, COL_SIDE, A_T, B_T, UPCAST, BK)  # fmt: skip
-            rside += rpart.to(tl.float64)
-            cside += cpart.to(tl.float64)
-    else:
-        rpart = tl.zeros((BM, SIDE_N), dtype=tl.float32)
-        cpart = tl.zeros((BN, SIDE_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            acc, rpart, cpart = _k_step(acc, rpart, cpart, ki, a_desc, b_desc, off_m, off_n, K, side_c_ptr,
-                                        side_u_ptr, ROW_SIDE, COL_SIDE, A_T, B_T, UPCAST, BK)  # fmt: skip
-        rside = rpart.to(tl.float64)
-        cside = cpart.to(tl.float64)
-    return acc, rside, cside
+    for ki in range(k_tiles):
+        acc = tl.dot(_load_a(a_desc, off_m, ki * BK, A_T, UPCAST), _load_b(b_desc, off_n, ki * BK, B_T, UPCAST), acc)
+    return acc
 
 
 @triton.jit
-def _owned_product(row_owner, col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                   ROW_SIDE: tl.constexpr, COL_SIDE: tl.constexpr, FOLD: tl.constexpr, A_T: tl.constexpr,
-                   B_T: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr):  # fmt: skip
-    """`_tile_product` with the reference sides this tile owns (row side: column block 0; column side:
-    row block 0): one compiled K loop per combination, chosen per tile at run time — the tiles that own
-    no side (all but one column and one row of tiles) run the plain GEMM loop."""
-    if ROW_SIDE:
-        if row_owner:
-            acc, rside, cside = _with_column_side(col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr,
-                                                  side_u_ptr, True, COL_SIDE, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
-        else:
-            acc, rside, cside = _with_column_side(col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr,
-                                                  side_u_ptr, False, COL_SIDE, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
-    else:
-        acc, rside, cside = _with_column_side(col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr,
-                                              side_u_ptr, False, COL_SIDE, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
-    return acc, rside, cside
-
-
-@triton.jit
-def _with_column_side(col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                      ROW_ON: tl.constexpr, COL_SIDE: tl.constexpr, FOLD: tl.constexpr, A_T: tl.constexpr,
-                      B_T: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr):  # fmt: skip
-    """`_tile_product` with the row side as decided (ROW_ON) and the column side if this tile owns it."""
-    if COL_SIDE:
-        if col_owner:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                              ROW_ON, True, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
-        else:
-            acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                              ROW_ON, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
-    else:
-        acc, rside, cside = _tile_product(a_desc, b_desc, off_m, off_n, k_tiles, K, side_c_ptr, side_u_ptr,
-                                          ROW_ON, False, FOLD, A_T, B_T, UPCAST, BM, BN, BK)  # fmt: skip
-    return acc, rside, cside
+def _side_part(x_desc, s_desc, scale_ptr, off, part, parts, k_tiles, ref_ptr, ones_ptr, size,
+               ROW: tl.constexpr, X_T: tl.constexpr, ONES: tl.constexpr, UPCAST: tl.constexpr,
+               R: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """One K slice of a reference side: X·S over K tiles [part·k_tiles/parts, (part+1)·k_tiles/parts)
+    for the R rows of X from `off` — X = A's row block (ROW) or Bᵀ's column block — in one fp32
+    chain, then in fp64 to ref_ptr[part, off:off+R] (and the ones column to ones_ptr)."""
+    k_lo = part * k_tiles // parts
+    k_hi = (part + 1) * k_tiles // parts
+    side = tl.zeros((R, SIDE_N), dtype=tl.float32)
+    for ki in range(k_lo, k_hi):
+        x = _load_a(x_desc, off, ki * BK, X_T, UPCAST) if ROW else tl.trans(_load_b(x_desc, off, ki * BK, X_T, UPCAST))
+        side = tl.dot(x, load_side(s_desc, ki * BK, UPCAST), side)
+    ref, ones = side_columns(side.to(tl.float64), tl.load(scale_ptr))
+    offs = off + tl.arange(0, R)
+    mask = offs < size
+    tl.store(ref_ptr + part * size + offs, ref, mask=mask)
+    if ONES:
+        tl.store(ones_ptr + part * size + offs, ones, mask=mask)
 
 
 # Integer arguments are not specialized on their values (a shape seen for the first time reuses the
 # compiled variant: no compile mid-run, and the launch path below can key variants on constexprs).
 _RUNTIME_INTS = ["stride_a", "stride_b", "data_len", "f32_len", "fault_row", "fault_col", "fault_mask", "side_all",
-                 "M", "N", "K"]  # fmt: skip
+                 "row_parts", "col_parts", "M", "N", "K"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -189,19 +141,18 @@ def checked_gemm_kernel(
     b_desc,
     c_desc,  # C [M, N] (TMA store)
     bias_ptr,
-    side_c_ptr,  # [K, 16] operand dtype: S(c), c = B·1 (row side; gemm_side.py)
-    side_u_ptr,  # [K, 16]: S(u1), u1 = 1ᵀA (column side)
+    side_c_desc,  # S(c) [K, 16] operand dtype, blocks [BK, 16]: c = B·1 (row side; gemm_side.py)
+    side_u_desc,  # S(u1) [K, 16], blocks [BK, 16]: u1 = 1ᵀA (column side)
     c_scale_ptr,  # fp32 [1]: 2ᵉ of S(c)
     u_scale_ptr,  # fp32 [1]: 2ᵉ of S(u1)
-    side_out_ptr,  # [M, 16] out (SIDE_OUT): S(A·1), the by-product as a later wgrad reads it
     row_part_ptr,  # [tiles_n, M] fp32 out: Σ_j acc per tile
     rsq_part_ptr,  # [tiles_n, M] fp32 out: Σ_j acc² per tile
     out_part_ptr,  # [tiles_n, M] fp32 out: Σ_j of the rounded output per tile
     col_part_ptr,  # [tiles_m, N] fp32 out: Σ_i acc per tile
     csq_part_ptr,  # [tiles_m, N] fp32 out: Σ_i acc² per tile
-    rowref_ptr,  # [M] fp64 out: A·c (from the tiles of column block 0)
-    rowones_ptr,  # [M] fp64 out: A·1, the by-product (same tiles)
-    colref_ptr,  # [N] fp64 out: u1ᵀB (from the tiles of row block 0)
+    rowref_ptr,  # [row_parts, M] fp64 out: A·c per K slice (slice j from the tiles of column block j)
+    rowones_ptr,  # [row_parts, M] fp64 out: A·1 per K slice, the by-product's parts
+    colref_ptr,  # [col_parts, N] fp64 out: u1ᵀB per K slice (slice i from the tiles of row block i)
     a_ptr,  # inline evidence: the storage behind a_desc and b_desc, for a capture copy
     b_ptr,
     counters_ptr,  # int32 [1 + tiles_m + tiles_n], zero (see gemm_evidence.arrive)
@@ -220,7 +171,9 @@ def checked_gemm_kernel(
     fault_col,
     fault_delta,
     fault_mask,
-    side_all,  # replays of one tile: that tile takes both reference sides, whatever its position
+    side_all,  # replays of one tile: that tile computes every K slice of both reference sides
+    row_parts,  # K slices of the row side: tiles_n of the launch being computed (or replayed)
+    col_parts,  # K slices of the column side: tiles_m of it
     M,
     N,
     K,
@@ -231,7 +184,6 @@ def checked_gemm_kernel(
     ROW_SIDE: tl.constexpr,  # A·c and A·1
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
-    SIDE_OUT: tl.constexpr,
     EVIDENCE: tl.constexpr,  # inline evidence (see gemm_evidence)
     CAPTURE: tl.constexpr,
     POOL: tl.constexpr,
@@ -241,7 +193,6 @@ def checked_gemm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
-    FOLD: tl.constexpr,  # K tiles per fp32 chain of the reference sides (0: all)
 ):
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -254,11 +205,7 @@ def checked_gemm_kernel(
         pid_m, pid_n = _tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
-        row_owner = (pid_n == 0) | (side_all != 0)
-        col_owner = (pid_m == 0) | (side_all != 0)
-        acc, rside, cside = _owned_product(row_owner, col_owner, a_desc, b_desc, off_m, off_n, k_tiles, K,
-                                           side_c_ptr, side_u_ptr, ROW_SIDE, COL_CHECK, FOLD, A_T, B_T, UPCAST,
-                                           BM, BN, BK)  # fmt: skip
+        acc = _main_loop(a_desc, b_desc, off_m, off_n, k_tiles, A_T, B_T, UPCAST, BM, BN, BK)
 
         if EVIDENCE:
             if prev_m >= 0:
@@ -289,17 +236,19 @@ def checked_gemm_kernel(
             tl.store(col_part_ptr + pid_m * N + offs_n, tl.sum(acc, axis=0), mask=mask_n)
             tl.store(csq_part_ptr + pid_m * N + offs_n, tl.sum(acc * acc, axis=0), mask=mask_n)
         c_desc.store([off_m, off_n], out)
+        # The reference sides, after the tile's stores are issued: this tile's K slice of its row
+        # block's A·S(c) (slice pid_n of tiles_n) and of its column block's Bᵀ·S(u1) (slice pid_m),
+        # re-reading the slice's operand tiles (from L2: the tile has just read them). Every tile does
+        # the same small share, so none straggles; a replay of one tile (side_all) does every slice.
+        replay = side_all != 0
         if ROW_SIDE:
-            if row_owner:
-                ref, ones = side_columns(rside, tl.load(c_scale_ptr))
-                tl.store(rowref_ptr + offs_m, ref, mask=mask_m)
-                tl.store(rowones_ptr + offs_m, ones, mask=mask_m)
-                if SIDE_OUT:
-                    store_side(side_out_ptr, offs_m, mask_m, ones, DT)
+            for part in range(tl.where(replay, 0, pid_n), tl.where(replay, row_parts, pid_n + 1)):
+                _side_part(a_desc, side_c_desc, c_scale_ptr, off_m, part, row_parts, k_tiles, rowref_ptr, rowones_ptr,
+                           M, True, A_T, True, UPCAST, BM, BK)  # fmt: skip
         if COL_CHECK:
-            if col_owner:
-                cref, _ = side_columns(cside, tl.load(u_scale_ptr))
-                tl.store(colref_ptr + offs_n, cref, mask=mask_n)
+            for part in range(tl.where(replay, 0, pid_m), tl.where(replay, col_parts, pid_m + 1)):
+                _side_part(b_desc, side_u_desc, u_scale_ptr, off_n, part, col_parts, k_tiles, colref_ptr, colref_ptr,
+                           N, False, B_T, False, UPCAST, BN, BK)  # fmt: skip
         prev_m = pid_m
         prev_n = pid_n
     if EVIDENCE:
@@ -333,29 +282,23 @@ class TritonGemmConfig:
     # 8192×2048×5632, benchmarks/results/gemm_diagnose.json): counting every tile at its block cost the
     # GEMM 2–17% (17% on the forward), a second launch 1–2%.
     inline_evidence: bool = False
-    # K tiles per fp32 chain of the reference-side MMAs, folded into fp64 (0: all of K). Folding cost
-    # 1–3% of the GEMM on the H200, and the side's error is small next to the accumulator's own
-    # (benchmarks/noise_gpu.py: 3–5% of it at K = 16384 with folds of 16; it grows ~√16 unfolded).
-    side_fold: int = 0
 
 
 # Hopper: 128×256×64 tiles, 8 warps, 3 stages run bf16 GEMMs at cuBLAS speed on the H200.
 # The interpreter runs one program at a time on the CPU: small tiles keep tests fast (BK = 16: the
 # reference-side MMA's S operand is [BK, 16], and tl.dot takes no dimension under 16).
 HOPPER_CONFIG = TritonGemmConfig()
-INTERPRETER_CONFIG = TritonGemmConfig(
-    block_m=32, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, side_fold=2
-)
+INTERPRETER_CONFIG = TritonGemmConfig(block_m=32, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
 # The configuration of each shape class on the H200 (`shape_class`), chosen by
 # `benchmarks/gemm_tune.py` and fixed here: no autotuning at run time, so every rank and every
 # replay runs the configuration that a tile's bits depend on.
 HOPPER_TABLE: dict[str, TritonGemmConfig] = {
-    # N ≤ 256: a GQA key/value projection's forward. Tuned (benchmarks/results/gemm_tune.json): 64×128
-    # tiles put 4× the programs on the machine: geometric-mean ratio 0.31 against 0.14–0.17 for 128×256.
-    "narrow-n": TritonGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4),
-    "narrow-m": HOPPER_CONFIG,  # M ≤ 256: the same projection's wgrad (C = dW [N, K])
-    "short-k": HOPPER_CONFIG,  # K ≤ 512: its dgrad (the reduction runs over N); tuned: the default won
-    "few-tiles": HOPPER_CONFIG,  # under one wave of 128×256 tiles on 132 SMs
+    # Winners of benchmarks/gemm_tune.py (GPU time, geometric mean of cuBLAS ÷ ours over the class's
+    # GEMMs; results/gemm_tune.json). Small classes want more, smaller tiles: the machine has 132 SMs.
+    "narrow-n": TritonGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4),  # N ≤ 256: GQA k/v forward
+    "narrow-m": TritonGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4),  # M ≤ 256: its wgrad
+    "short-k": HOPPER_CONFIG,  # K ≤ 512: its dgrad (the reduction runs over N)
+    "few-tiles": TritonGemmConfig(block_m=64, block_n=256, num_warps=4, num_stages=4),  # under one wave of 128×256
     "large": HOPPER_CONFIG,
 }
 _config_override: TritonGemmConfig | None = None
@@ -431,12 +374,12 @@ class CapturePool:
 
     @staticmethod
     def layout(m: int, n: int, k: int, capture: int, cfg: TritonGemmConfig) -> tuple[int, int]:
-        """(data_len, f32_len) one capture of this GEMM needs (see `_capture`)."""
+        """(data_len, f32_len) one capture of this GEMM needs (see gemm_evidence._capture)."""
         bm, bn = cfg.block_m, cfg.block_n
-        tiles_n = -(-n // bn)
+        tiles_m, tiles_n = -(-m // bm), -(-n // bn)
         if capture == CAPTURE_TILE:
-            return bm * k + bn * k, 3 * bm + 2 * bn
-        return bm * k, (2 * tiles_n + 1) * bm
+            return bm * k + bn * k, (2 + tiles_n) * bm + (1 + tiles_m) * bn
+        return bm * k, 3 * tiles_n * bm
 
     @classmethod
     def allocate(cls, slots: int, data_len: int, f32_len: int, dtype: torch.dtype, device) -> CapturePool:
@@ -476,6 +419,19 @@ def _workspace(device: torch.device, name: str, shape: tuple[int, ...], dtype: t
             del _VIEWS[stale]
     view = _VIEWS[(device, name, dtype, shape)] = buffer[:numel].view(shape)
     return view
+
+
+_NO_SIDE: dict[tuple, TensorDescriptor] = {}
+
+
+def _no_side(device: torch.device, dtype: torch.dtype, block_k: int) -> TensorDescriptor:
+    """The descriptor passed where a launch takes no reference side (never loaded)."""
+    key = (device, dtype, block_k)
+    desc = _NO_SIDE.get(key)
+    if desc is None:
+        matrix = torch.zeros(block_k, SIDE_COLUMNS, dtype=dtype, device=device)
+        desc = _NO_SIDE[key] = side_descriptor(matrix, block_k)
+    return desc
 
 
 def _fresh(device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -529,16 +485,33 @@ def _launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, option
 
 @dataclasses.dataclass
 class GemmLaunch:
-    """What one launch produced besides C (partials are per tile; see the module docstring)."""
+    """What one launch produced besides C (partials are per tile, sides per K slice; see the module
+    docstring). The totals below are torch sums for tests and tools; the evidence sums the parts in
+    its own fixed order, and replays compare the parts."""
 
     row_part: torch.Tensor | None  # [tiles_n, M] Σ_j acc
     rsq_part: torch.Tensor | None  # [tiles_n, M] Σ_j acc²
     out_part: torch.Tensor | None  # [tiles_n, M] Σ_j of the rounded output
     col_part: torch.Tensor | None  # [tiles_m, N] Σ_i acc
     csq_part: torch.Tensor | None  # [tiles_m, N] Σ_i acc²
-    rowref: torch.Tensor | None  # [M] fp64: A·c
-    rowones: torch.Tensor | None  # [M] fp64: A·1, the by-product a later wgrad check of the Linear needs
-    colref: torch.Tensor | None  # [N] fp64: u1ᵀB
+    rowref_parts: torch.Tensor | None  # [row_parts, M] fp64: A·c per K slice
+    rowones_parts: torch.Tensor | None  # [row_parts, M] fp64: A·1 per K slice
+    colref_parts: torch.Tensor | None  # [col_parts, N] fp64: u1ᵀB per K slice
+    byproduct: torch.Tensor | None  # [M] fp64: A·1 as the finishing launch summed it (when asked for)
+
+    @property
+    def rowref(self) -> torch.Tensor | None:
+        return None if self.rowref_parts is None else self.rowref_parts.sum(dim=0)
+
+    @property
+    def rowones(self) -> torch.Tensor | None:
+        if self.byproduct is not None:
+            return self.byproduct
+        return None if self.rowones_parts is None else self.rowones_parts.sum(dim=0)
+
+    @property
+    def colref(self) -> torch.Tensor | None:
+        return None if self.colref_parts is None else self.colref_parts.sum(dim=0)
 
 
 def launch_checked_gemm(
@@ -564,6 +537,8 @@ def launch_checked_gemm(
     col_threshold: float = float("inf"),
     fault: tuple[int, int, int, float, int] | None = None,  # (model, row, col, delta, xor mask)
     side_all: bool = False,
+    row_parts: int | None = None,
+    col_parts: int | None = None,
     byproduct: torch.Tensor | None = None,
     byproduct_side: torch.Tensor | None = None,
     evidence: bool = True,
@@ -575,15 +550,16 @@ def launch_checked_gemm(
     `a` is A [M, K] (or Aᵀ [K, M] when a_t); `b` is B [K, N] (or Bᵀ [N, K] when b_t). The row side
     needs c = B·1 (`cvec`, fp64 [K]) and a column check u1 = 1ᵀA (`u1`, fp64 [K]); their side matrices
     (`c_side`, `u_side`, gemm_side.SideMatrix) are built here when not given — callers that launch
-    often keep them (once per weight and step). `byproduct_side` [M, 16]: receives S(A·1) for a later
-    wgrad (bf16 operands). `stats` (int64
-    [STATS_LEN], zero) and `counters` (int32 [counters_needed(M, N, cfg)], zero) are needed for evidence.
-    `byproduct`: an fp64 [M] tensor to receive A·1 (with the row side; default: a scratch or fresh
-    buffer, as `scratch` says). `side_all`: every tile takes the reference sides (a replay of one tile, which must recompute what
-    the tiles of column block 0 and row block 0 computed in the original launch). Nothing here
-    synchronizes with the host. `scratch`: the partials live in buffers shared by all launches
-    (`_workspace`), for callers that read nothing of the returned `GemmLaunch` (the training step,
-    which passes its own `byproduct`); without it they are fresh tensors the caller may keep.
+    often keep them (once per weight and step). `stats` (int64 [STATS_LEN], zero) and `counters`
+    (int32 [counters_needed(M, N, cfg)], zero) are needed for evidence.
+
+    `byproduct` (fp64 [M]) receives A·1 and `byproduct_side` ([M, 16], bf16 operands) its S, for a
+    later wgrad check: both written by the finishing launch (the evidence launch, which then also
+    runs for an unchecked call that asks for them). `side_all`: one tile computes every K slice of
+    both sides — a replay of one tile, with `row_parts` / `col_parts` set to the original launch's
+    tiles_n / tiles_m (default: this launch's). Nothing here synchronizes with the host. `scratch`:
+    the partials live in buffers shared by all launches (`_workspace`), for callers that read nothing
+    of the returned `GemmLaunch` (the training step); without it they are fresh tensors.
     """
     m, n = out.shape
     k = a.shape[0] if a_t else a.shape[1]
@@ -591,6 +567,8 @@ def launch_checked_gemm(
     dev = a.device
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tiles_m, tiles_n = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    row_parts = row_parts or tiles_n
+    col_parts = col_parts or tiles_m
     if row_side and cvec is None and c_side is None:
         raise ValueError("the row side needs c = B·1 (cvec or c_side)")
     if col_check and u1 is None and u_side is None:
@@ -601,6 +579,10 @@ def launch_checked_gemm(
         u_side = SideMatrix.of(u1, a.dtype)
     if byproduct_side is not None and a.dtype != torch.bfloat16:
         raise ValueError("the kernel writes S(A·1) for bf16 operands only (fp16 needs a scale: SideMatrix.of)")
+    if (byproduct is not None or byproduct_side is not None) and not row_side:
+        raise ValueError("a by-product needs the row side")
+    if side_all and (byproduct is not None or evidence):
+        raise ValueError("a replay of one tile (side_all) computes no evidence or by-product")
     f32, f64 = torch.float32, torch.float64
     buffer = _workspace if scratch else _fresh
     row_part = buffer(dev, "row_part", (tiles_n, m), f32) if row_check else None
@@ -608,10 +590,9 @@ def launch_checked_gemm(
     out_part = buffer(dev, "out_part", (tiles_n, m), f32) if row_check else None
     col_part = buffer(dev, "col_part", (tiles_m, n), f32) if col_check else None
     csq_part = buffer(dev, "csq_part", (tiles_m, n), f32) if col_check else None
-    rowref = buffer(dev, "rowref", (m,), f64) if row_side else None
-    if row_side and byproduct is None:
-        byproduct = buffer(dev, "rowones", (m,), f64)
-    colref = buffer(dev, "colref", (n,), f64) if col_check else None
+    rowref = buffer(dev, "rowref", (row_parts, m), f64) if row_side else None
+    rowones = buffer(dev, "rowones", (row_parts, m), f64) if row_side else None
+    colref = buffer(dev, "colref", (col_parts, n), f64) if col_check else None
     evidence = evidence and (row_check or col_check)
     if evidence and (stats is None or counters is None):
         raise ValueError("evidence needs a zeroed stats slot and counters")
@@ -635,18 +616,17 @@ def launch_checked_gemm(
     args = (
         a_desc, b_desc, c_desc,
         bias if bias is not None else dummy,
-        c_side.matrix if c_side is not None else out,
-        u_side.matrix if u_side is not None else out,
+        c_side.descriptor(bk) if c_side is not None else _no_side(dev, a.dtype, bk),
+        u_side.descriptor(bk) if u_side is not None else _no_side(dev, a.dtype, bk),
         c_side.scale if c_side is not None else dummy,
         u_side.scale if u_side is not None else dummy,
-        byproduct_side if byproduct_side is not None else out,
         row_part if row_part is not None else dummy,
         rsq_part if rsq_part is not None else dummy,
         out_part if out_part is not None else dummy,
         col_part if col_part is not None else dummy,
         csq_part if csq_part is not None else dummy,
         rowref if rowref is not None else dummy64,
-        byproduct if byproduct is not None else dummy64,
+        rowones if rowones is not None else dummy64,
         colref if colref is not None else dummy64,
         a, b,
         counters if counters is not None else dummy,
@@ -655,7 +635,7 @@ def launch_checked_gemm(
         pool.f32 if pool is not None else dummy64,
         pool_counter,
         float(row_threshold), float(col_threshold), a.stride(0), b.stride(0), data_len, f32_len,
-        int(frow), int(fcol), float(fdelta), int(fmask), int(side_all),
+        int(frow), int(fcol), float(fdelta), int(fmask), int(side_all), row_parts, col_parts,
         m, n, k,
     )  # fmt: skip
     constexprs = dict(
@@ -666,7 +646,6 @@ def launch_checked_gemm(
         ROW_SIDE=row_side,
         COL_CHECK=col_check,
         FAULT=model,
-        SIDE_OUT=byproduct_side is not None,
         EVIDENCE=inline,
         CAPTURE=capture,
         POOL=pool.slots if pool is not None else 1,
@@ -676,11 +655,13 @@ def launch_checked_gemm(
         BN=bn,
         BK=bk,
         GROUP_M=cfg.group_m,
-        FOLD=cfg.side_fold,
     )  # fmt: skip (the kernel's constexpr parameters, in their order)
     _launch(checked_gemm_kernel, grid, args, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    if evidence and not inline:
-        blocks = (tiles_m if row_check else 0) + (tiles_n if col_check else 0)
+    separate = evidence and not inline
+    wants_byproduct = byproduct is not None or byproduct_side is not None
+    if separate or wants_byproduct:
+        checks = (row_check, col_check) if separate else (False, False)
+        blocks = (tiles_m if checks[0] or wants_byproduct else 0) + (tiles_n if checks[1] else 0)
         args = (
             a, b,
             row_part if row_part is not None else dummy,
@@ -689,14 +670,20 @@ def launch_checked_gemm(
             col_part if col_part is not None else dummy,
             csq_part if csq_part is not None else dummy,
             rowref if rowref is not None else dummy64,
+            rowones if rowones is not None else dummy64,
             colref if colref is not None else dummy64,
-            counters, stats_slot, stats_slot.view(torch.float64),
+            byproduct if byproduct is not None else dummy64,
+            byproduct_side if byproduct_side is not None else out,
+            counters if counters is not None else pool_counter,
+            stats_slot, stats_slot.view(torch.float64),
             pool.data if pool is not None else out,
             pool.f32 if pool is not None else dummy64,
             pool_counter,
             float(row_threshold), float(col_threshold), m, n, k, a.stride(0), b.stride(0), data_len, f32_len,
         )  # fmt: skip
-        constexprs = dict(A_T=a_t, B_T=b_t, ROW_CHECK=row_check, COL_CHECK=col_check, CAPTURE=capture,
-                          POOL=pool.slots if pool is not None else 1, BM=bm, BN=bn)  # fmt: skip
+        constexprs = dict(A_T=a_t, B_T=b_t, ROW_CHECK=checks[0], COL_CHECK=checks[1], CAPTURE=capture if separate
+                          else CAPTURE_NONE, POOL=pool.slots if pool is not None else 1,
+                          BYPRODUCT=byproduct is not None, SIDE_OUT=byproduct_side is not None,
+                          DT=_TL_DTYPES[a.dtype], BM=bm, BN=bn)  # fmt: skip
         _launch(evidence_kernel, (blocks,), args, constexprs, dict(num_warps=4))
-    return GemmLaunch(row_part, rsq_part, out_part, col_part, csq_part, rowref, byproduct, colref)
+    return GemmLaunch(row_part, rsq_part, out_part, col_part, csq_part, rowref, rowones, colref, byproduct)

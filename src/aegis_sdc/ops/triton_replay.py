@@ -8,10 +8,11 @@ the tile sits), so every compared value is recomputed by the code that produced 
 
     rows (row checks):   A's row block (copied) against the whole of B (the weight, by reference):
                          every tile of the block — accumulator row sums, rounded-output row sums —
-                         and the block's reference side A·c (from its tile in column block 0)
+                         and the block's reference side A·c per K slice (slice j from its tile j)
     tile (column checks: A's row block and B's column block (both copied): one tile, launched with
-    wgrad by default)    `side_all` so that it recomputes both reference sides, A·c of its rows and
-                         u1ᵀB of its columns, as the tiles of column block 0 and row block 0 did
+    wgrad by default)    `side_all` so that it recomputes every K slice of both reference sides, A·c
+                         of its rows and u1ᵀB of its columns, as the tiles of its row block and
+                         column block did (the slices' count is the original launch's)
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ class TritonRegion:
 
     row_part: torch.Tensor  # [tiles, R]: Σ acc over each column tile
     out_part: torch.Tensor  # [tiles, R]: Σ of the rounded output over each column tile
-    ref_part: torch.Tensor  # [1, R]: A·c
+    ref_part: torch.Tensor  # [tiles_n, R]: A·c per K slice
     col_part: torch.Tensor  # [1, C] or empty: Σ acc over the tile's rows
-    colref_part: torch.Tensor  # [1, C] or empty: u1ᵀB
+    colref_part: torch.Tensor  # [tiles_m, C] or empty: u1ᵀB per K slice
     b_rowsum: torch.Tensor  # B·1 used (recomputed from the weight when verifying)
 
 
@@ -89,14 +90,17 @@ class TritonGemmCapture(ReferencedOperands):
             self.cols = min(bn, call.n - c0)
             slab = data[bm * k : bm * k + bn * k]
             self.b_slab = (slab.view(bn, k) if call.b_t else slab.view(k, bn)).contiguous()
-            parts = f32[: 3 * bm].view(3, bm)
-            cols = f32[3 * bm : 3 * bm + 2 * bn].view(2, bn)
+            tm, tn = self.tiles_m, self.tiles_n
+            parts = f32[: 2 * bm].view(2, bm)
+            refs = f32[2 * bm : (2 + tn) * bm].view(tn, bm)
+            cols = f32[(2 + tn) * bm : (2 + tn) * bm + (1 + tm) * bn]
+            with_cols = call.u1 is not None
             self.saved = TritonRegion(
                 row_part=parts[0:1, rows],
                 out_part=parts[1:2, rows],
-                ref_part=parts[2:3, rows],
-                col_part=cols[0:1, : self.cols] if call.u1 is not None else torch.empty(0),
-                colref_part=cols[1:2, : self.cols] if call.u1 is not None else torch.empty(0),
+                ref_part=refs[:, rows],
+                col_part=cols[:bn].view(1, bn)[:, : self.cols] if with_cols else torch.empty(0),
+                colref_part=cols[bn:].view(tm, bn)[:, : self.cols] if with_cols else torch.empty(0),
                 b_rowsum=call.cvec,
             )
             self.region = Tile(r0, r0 + self.rows, c0, c0 + self.cols)
@@ -109,7 +113,7 @@ class TritonGemmCapture(ReferencedOperands):
             self.saved = TritonRegion(
                 row_part=parts[0, :, rows],
                 out_part=parts[1, :, rows],
-                ref_part=f32[2 * t * bm : (2 * t + 1) * bm].view(1, bm)[:, rows],
+                ref_part=f32[2 * t * bm : 3 * t * bm].view(t, bm)[:, rows],
                 col_part=torch.empty(0),
                 colref_part=torch.empty(0),
                 b_rowsum=call.cvec,
@@ -156,6 +160,8 @@ class TritonGemmCapture(ReferencedOperands):
             row_side=True,
             col_check=tile and call.u1 is not None,
             side_all=tile,
+            row_parts=self.tiles_n,
+            col_parts=self.tiles_m,
             fault=fault,
             evidence=False,
             cfg=cfg,
@@ -169,9 +175,9 @@ class TritonGemmCapture(ReferencedOperands):
         return TritonRegion(
             row_part=result.row_part[:, rows].to(f64),
             out_part=result.out_part[:, rows].to(f64),
-            ref_part=result.rowref[None, rows],
+            ref_part=result.rowref_parts[:, rows],
             col_part=result.col_part[:, : self.cols].to(f64) if with_cols else torch.empty(0),
-            colref_part=result.colref[None, : self.cols] if with_cols else torch.empty(0),
+            colref_part=result.colref_parts[:, : self.cols] if with_cols else torch.empty(0),
             b_rowsum=b_rowsum,
         )
 
