@@ -5,6 +5,8 @@
 #   tune          choose the configuration per shape class (benchmarks/gemm_tune.py → results/gemm_tune.json)
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
 #   sensitivity   detection at r = 1 and false alarms at three shape classes (results/sensitivity.json)
+#   attention     the attention kernels' GPU tests, speed against SDPA (results/attention.json) and
+#                 sensitivity per stage (results/sensitivity_attention_triton.json)
 #   tests         every GPU-marked test
 #   e2e-eager | e2e-compiled | e2e-own   the end-to-end step record (results/e2e_step.json)
 # Writes logs and results under $OUT (the device's output folder) or ./gpu-out.
@@ -36,6 +38,13 @@ case "${1:-tests}" in
     cp benchmarks/results/gemm.json "$out/" ;;
   sensitivity)
     timeout 570 python benchmarks/sensitivity.py --out "$out/sensitivity.json" 2>&1 | tee "$out/sensitivity.log" ;;
+  attention)
+    timeout 200 python -m pytest -q -m gpu tests/test_triton_attention.py -p no:cacheprovider 2>&1 \
+      | tee "$out/attention_tests.log" | tail -15
+    timeout 200 python benchmarks/attention.py --out benchmarks/results/attention.json 2>&1 | tee "$out/attention.log"
+    cp benchmarks/results/attention.json "$out/" 2>/dev/null
+    timeout 180 python benchmarks/sensitivity_attention.py --kernels triton --heads 8 --seq 512 --dim 128 \
+      --out "$out/sensitivity_attention_triton.json" 2>&1 | tail -3 ;;
   tests)
     timeout 560 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
   e2e-eager)
@@ -50,5 +59,5 @@ case "${1:-tests}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|diagnose|tune|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|diagnose|tune|attention|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

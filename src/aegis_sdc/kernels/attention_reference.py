@@ -71,6 +71,7 @@ class Backward:
     dv: torch.Tensor  # [N, Sk, D] fp32
     values: torch.Tensor  # [len(BACKWARD_CHECKS), N] fp64: normalized differences, check by check
     raw_l2: torch.Tensor  # [N] fp64: ‖1ᵀdV − 1ᵀdO‖₂ per head
+    check_l2: torch.Tensor | None = None  # [len(BACKWARD_CHECKS), N]: each check's ‖raw difference‖₂ (Triton path)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:

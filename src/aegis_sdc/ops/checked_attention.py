@@ -6,8 +6,10 @@ not; grouped-query attention) as one autograd Function over the reference kernel
 Heads are flattened to N = B·H (K and V expanded over each group of query heads) and computed in one
 batched pass; per head the forward and backward checksum values go to the op's hooks (the sensor of
 the calling module): the op knows nothing of thresholds or stores. Unsupported arguments raise
-`ValueError` naming the problem. On CUDA tensors the fused Triton kernels are not built yet, so
-protected models keep SDPA there (integrations/attention.py).
+`ValueError` naming the problem. The kernels (`kernels_for`): CUDA operands the fused Triton kernels
+take (kernels/triton_attention.py: bf16/fp16, head dimension a power of two) run those, anything else
+the reference kernels; forward, backward and every replay of a call run the same. Protected models
+still keep SDPA on CUDA (integrations/attention.py) until the Triton kernels are measured there.
 
 Precision: under autocast, q, k and v are first cast to the autocast dtype, as autocast casts
 SDPA's inputs (it is on autocast's lower-precision list). From there on its arithmetic (the
@@ -24,7 +26,17 @@ from typing import Any, Protocol
 import torch
 from torch.autograd.function import once_differentiable
 
+from aegis_sdc.kernels import triton_attention
 from aegis_sdc.kernels.attention_reference import HeadFault, attention_backward, attention_forward
+
+
+def kernels_for(q: torch.Tensor) -> tuple[Any, Any]:
+    """(forward, backward) for flattened operands like q: the Triton kernels for CUDA operands they
+    take, else the reference path. A call's bits depend on the choice, so replays make it again from
+    the same operands."""
+    if q.is_cuda and triton_attention.supported(q, q) is None:
+        return triton_attention.forward, triton_attention.backward
+    return attention_forward, attention_backward
 
 
 class AttentionHooks(Protocol):
@@ -91,19 +103,25 @@ class CallReplay:
     def saved_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.out[self.head], self.lse[self.head]
 
+    def _forward(self):
+        return kernels_for(self.q)[0](self.q, self.k, self.v, self.scale, self.causal)
+
+    def _backward(self):
+        backward = kernels_for(self.q)[1]
+        return backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal)
+
     def forward_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        again = attention_forward(self.q, self.k, self.v, self.scale, self.causal)
+        again = self._forward()
         return again.out[self.head], again.lse[self.head]
 
     def check_values(self, backward: bool) -> torch.Tensor:
         """The head's check values [checks] as a replay computes them (forward: one value)."""
         if backward:
-            again = attention_backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal)
-            return again.values[:, self.head]
-        return attention_forward(self.q, self.k, self.v, self.scale, self.causal).values[self.head : self.head + 1]
+            return self._backward().values[:, self.head]
+        return self._forward().values[self.head : self.head + 1]
 
     def backward_outputs(self) -> tuple[torch.Tensor, ...]:
-        again = attention_backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal)
+        again = self._backward()
         return again.dq[self.head], again.dk[self.head], again.dv[self.head]
 
 
@@ -113,7 +131,7 @@ class CheckedAttentionFunction(torch.autograd.Function):
         b, h = q.shape[:2]
         plan = hooks.plan(b * h)
         qf, kf, vf = _heads(q, k, v)
-        result = attention_forward(qf, kf, vf, scale, causal, hooks.fault_for(plan, False))
+        result = kernels_for(qf)[0](qf, kf, vf, scale, causal, hooks.fault_for(plan, False))
         hooks.observe(plan, False, result.values,
                       lambda i: CallReplay(i, qf, kf, vf, scale, causal, result.out, result.lse))  # fmt: skip
         ctx.save_for_backward(q, k, v, result.out, result.lse)
@@ -127,9 +145,8 @@ class CheckedAttentionFunction(torch.autograd.Function):
         b, h = q.shape[:2]
         qf, kf, vf = _heads(q, k, v)
         do = dout.reshape(out.shape)
-        result = attention_backward(
-            qf, kf, vf, out, lse, do, ctx.scale, ctx.causal, ctx.hooks.fault_for(ctx.plan, True)
-        )
+        backward = kernels_for(qf)[1]
+        result = backward(qf, kf, vf, out, lse, do, ctx.scale, ctx.causal, ctx.hooks.fault_for(ctx.plan, True))
         grads = (result.dq, result.dk, result.dv)
         ctx.hooks.observe(ctx.plan, True, result.values,
                           lambda i: CallReplay(i, qf, kf, vf, ctx.scale, ctx.causal, out, lse, do, grads))  # fmt: skip

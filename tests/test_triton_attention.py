@@ -1,0 +1,232 @@
+"""The Triton checked attention against the reference path: values, gradients, each check, each fault stage.
+
+On the CPU these run under TRITON_INTERPRET=1 (conftest) with fp32 and fp16 operands at small shapes
+(the interpreter computes bf16 arithmetic wrongly); the same tests take bf16 at real shapes on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aegis_sdc.faults.models import AccumulatorFault
+from aegis_sdc.kernels import attention_reference as ref
+from aegis_sdc.kernels import triton_attention as ta
+from aegis_sdc.kernels.attention_reference import BACKWARD_CHECKS, HeadFault
+from aegis_sdc.sensors.thresholds import worst_case_bound
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+U = 2.0**-24
+
+
+def operands(n, sq, sk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(n, s, d, generator=g) for s in (sq, sk, sk, sq))
+    return tuple(t.to(dtype).to(DEVICE) for t in (q, k, v, do))
+
+
+def fault(head: int, stage: str, model: str = "bitflip", delta: float = 0.0) -> HeadFault:
+    corruption = AccumulatorFault(model=model, bit=30 if model == "bitflip" else 0, delta=delta, row=5, col=3,
+                                  row_u=0.0, col_u=0.0)  # fmt: skip
+    return HeadFault(head=head, stage=stage, fault=corruption)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+# partial blocks; Sq < Sk (causal: queries aligned to the end of the keys)
+@pytest.mark.parametrize("shape", [(3, 40, 40, 16), (2, 24, 56, 32)])
+def test_values_and_gradients_match_the_reference_path(shape, dtype, causal):
+    n, sq, sk, d = shape
+    q, k, v, do = operands(n, sq, sk, d, dtype)
+    scale = 1 / math.sqrt(d)
+    want = ref.attention_forward(q, k, v, scale, causal)
+    got = ta.forward(q, k, v, scale, causal)
+    # fp32 operands: the same products summed in another order (online softmax) — fp32 rounding of
+    # sums of |P||V| ≤ max|V|; fp16: P is rounded to fp16 for the MMA, as FlashAttention does (2⁻¹¹).
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    vmax = float(v.float().abs().max())
+    assert torch.allclose(got.out.float(), want.out.float(), atol=tol * vmax, rtol=0)
+    assert torch.allclose(got.lse, want.lse, atol=1e-5, rtol=1e-5)  # fp32 exp/log of the same scores
+    wb = ref.attention_backward(q, k, v, want.out, want.lse, do, scale, causal)
+    gb = ta.backward(q, k, v, got.out, got.lse, do, scale, causal)
+    for name in ("dq", "dk", "dv"):
+        w, g = getattr(wb, name), getattr(gb, name)
+        # sums over up to Sk (Sq) products of |dS|·|K| (|P|·|dO|): fp32 reordering, or fp16 rounding of P and dS
+        assert torch.allclose(g, w, atol=tol * 4 * float(w.abs().max()), rtol=0), name
+    # clean values stay under the bounds the sensor starts from (calibration then sets thresholds)
+    assert torch.all(got.values <= worst_case_bound(sk, d))
+    bounds = [ref.backward_bound(sq, sk), worst_case_bound(d, sk), worst_case_bound(sk, d),
+              worst_case_bound(sk, d), worst_case_bound(sq, d)]  # fmt: skip
+    for i, name in enumerate(BACKWARD_CHECKS):
+        assert torch.all(gb.values[i] <= bounds[i]), (name, gb.values[i])
+
+
+def test_gqa_strided_operands_are_read_in_place():
+    # q as a transposed view ([B, S, H, D] storage), as Hugging Face attention hands it over
+    b, h, s, d = 2, 4, 32, 16
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(b, s, h, d, generator=g).to(DEVICE)
+    q = base.transpose(1, 2).reshape(b * h, s, d)  # a copy (reshape of a transposed view)
+    view = base.transpose(1, 2)[0]  # [h, s, d] with strides (d, h·d, 1)
+    k, v = operands(h, s, s, d, torch.float32, seed=2)[1:3]
+    scale = 0.25
+    got = ta.forward(view, k, v, scale, False)
+    want = ta.forward(view.contiguous(), k, v, scale, False)
+    assert torch.equal(got.out, want.out) and torch.equal(got.values, want.values)
+    assert q.shape == (b * h, s, d)
+
+
+def test_a_call_replays_bit_for_bit():
+    q, k, v, do = operands(2, 48, 48, 32, torch.float16, seed=3)
+    runs = [ta.forward(q, k, v, 0.2, True) for _ in range(2)]
+    assert torch.equal(runs[0].out, runs[1].out) and torch.equal(runs[0].values, runs[1].values)
+    grads = [ta.backward(q, k, v, runs[0].out, runs[0].lse, do, 0.2, True) for _ in range(2)]
+    for name in ("dq", "dk", "dv", "values"):
+        assert torch.equal(getattr(grads[0], name), getattr(grads[1], name)), name
+
+
+# Which check each fault stage must move (the reference path's rows): forward for qk/softmax/pv in
+# the forward pass; in backward the P rows (reported as dv) for qk/softmax, dv for pv, and the
+# stage's own check for dp, ds, dq, dk.
+BACKWARD_STAGE_CHECK = {"qk": "dv", "softmax": "dv", "pv": "dv", "dp": "dp", "ds": "ds", "dq": "dq", "dk": "dk"}
+
+
+@pytest.mark.parametrize(
+    "stage,causal",
+    [("qk", False), ("qk", True), ("softmax", False), ("pv", False), ("dp", True), ("ds", False), ("dq", True),
+     ("dk", False)],
+)  # fmt: skip
+def test_a_fault_in_each_backward_stage_is_seen_by_its_check_in_its_head(stage, causal):
+    n, s, d = 3, 32, 16
+    q, k, v, do = operands(n, s, s, d, torch.float32, seed=4)
+    scale = 1 / math.sqrt(d)
+    fwd = ta.forward(q, k, v, scale, causal)
+    clean = ta.backward(q, k, v, fwd.out, fwd.lse, do, scale, causal)
+    hit = ta.backward(q, k, v, fwd.out, fwd.lse, do, scale, causal, fault(1, stage))
+    row = BACKWARD_CHECKS.index(BACKWARD_STAGE_CHECK[stage])
+    # a flip of the exponent's top bit: far past every bound (clean values are O(10))
+    assert float(hit.values[row, 1]) > 1e3 * max(float(clean.values[row].max()), 1.0), (stage, hit.values)
+    others = [i for i in range(n) if i != 1]
+    assert torch.equal(hit.values[:, others], clean.values[:, others])  # only the faulty head moves
+
+
+@pytest.mark.parametrize("stage", ["pv"])
+def test_a_forward_fault_is_seen_by_the_forward_check(stage):
+    q, k, v, _ = operands(2, 32, 32, 16, torch.float32, seed=6)
+    clean = ta.forward(q, k, v, 0.25, False)
+    hit = ta.forward(q, k, v, 0.25, False, fault(0, stage, model="perturb", delta=1e-3))
+    # δ = 1e-3 in a normalized output whose row-sum noise is ~u·|O|: ≫ the clean value
+    assert float(hit.values[0]) > 100 * float(clean.values.max())
+    assert float(hit.values[1]) == float(clean.values[1])
+    assert abs(float(hit.out[0, 5, 3]) - float(clean.out[0, 5, 3]) - 1e-3) < 1e-6
+
+
+@pytest.mark.parametrize("stage", ["qk", "softmax"])
+def test_a_forward_score_fault_reaches_the_backward_row_sums_through_the_saved_lse(stage):
+    # The forward check compares O with the same (wrong) P; the saved lse carries the fault, and the
+    # backward's recomputed rows of P no longer sum to 1.
+    q, k, v, do = operands(2, 32, 32, 16, torch.float32, seed=7)
+    fwd = ta.forward(q, k, v, 0.25, False, fault(0, stage, model="perturb", delta=3.0))
+    grads = ta.backward(q, k, v, fwd.out, fwd.lse, do, 0.25, False)
+    dv = BACKWARD_CHECKS.index("dv")
+    assert float(grads.values[dv, 0]) > 1e3 * float(grads.values[dv, 1])
+
+
+def test_unsupported_operands_are_named():
+    q = torch.zeros(1, 8, 24)
+    assert "head dimension 24" in ta.supported(q, q)
+    assert ta.supported(torch.zeros(1, 8, 32), torch.zeros(1, 8, 32)) is None
+
+
+# (site kind, stage, step, detected at): a protected model whose attention runs the Triton kernels
+TRITON_STAGE_FAULTS = [
+    ("attn_fwd", "pv", 6, "attn_fwd"),
+    ("attn_bwd", "dp", 7, "attn_bwd"),
+    ("attn_bwd", "dq", 9, "attn_bwd"),
+    ("attn_bwd", "dk", 11, "attn_bwd"),
+]
+
+
+def test_a_protected_model_on_the_triton_kernels_confirms_faults_and_nothing_else(tmp_path, monkeypatch):
+    # The op's kernels switched to Triton's (on the CPU: the interpreter), so forward, backward and
+    # every replay run them: faults confirmed at their site and step, in the injected head, and no
+    # false confirmation in the clean steps around them.
+    from tests.helpers import guard_config, small_workload, train
+
+    import aegis_sdc as aegis
+    from aegis_sdc.ops import checked_attention
+
+    monkeypatch.setattr(checked_attention, "kernels_for", lambda q: (ta.forward, ta.backward))
+    faults = tuple(
+        aegis.FaultSpec(site=f"layers.0.attn:{kind}", model="bitflip", bit=27, stage=stage, steps=(step,), row=5, col=3)
+        for kind, stage, step, _ in TRITON_STAGE_FAULTS
+    )
+    model, data, optimizer = small_workload(batch=2, seq=32)  # 8 heads of 32 tokens: the interpreter is slow
+    config = guard_config(
+        tmp_path, faults=faults, response=aegis.ResponseConfig(policy="skip-step"),
+        thresholds=aegis.ThresholdConfig(calibration_checks=4),
+    )  # fmt: skip
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    train(model, data, optimizer, 13)
+    summary = guard.close()
+    injected = {inj.step: inj.head for inj in guard.injector.log if ":attn_" in inj.site}
+    found = {(i.step, i.site.name): i for i in guard.incidents}
+    assert {step for step, _ in found} == {step for _, _, step, _ in TRITON_STAGE_FAULTS}
+    assert summary.false_alarms == 0
+    for _, _, step, detected_at in TRITON_STAGE_FAULTS:
+        incident = found[(step, f"layers.0.attn:{detected_at}")]
+        assert incident.evidence.index == injected[step]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_kernels_at_real_shapes(dtype, causal):
+    # 2 × 8 heads of 1024 tokens, D = 128, compiled for the GPU: values against the reference path
+    # (bf16 rounding of P and dS for the MMAs: 2⁻⁸ of the largest output), clean values under the
+    # sensor's starting bounds, a fault per backward stage seen in its head, bit-exact reruns.
+    n, s, d = 16, 1024, 128
+    q, k, v, do = operands(n, s, s, d, dtype, seed=11)
+    scale = 1 / math.sqrt(d)
+    got = ta.forward(q, k, v, scale, causal)
+    want = ref.attention_forward(q, k, v, scale, causal)
+    assert torch.allclose(got.out.float(), want.out.float(), atol=2**-7 * float(want.out.float().abs().max()))
+    grads = ta.backward(q, k, v, got.out, got.lse, do, scale, causal)
+    wb = ref.attention_backward(q, k, v, want.out, want.lse, do, scale, causal)
+    for name in ("dq", "dk", "dv"):
+        w = getattr(wb, name)
+        assert torch.allclose(getattr(grads, name), w, atol=2**-6 * float(w.abs().max())), name
+    assert torch.all(got.values <= worst_case_bound(s, d))
+    again = ta.backward(q, k, v, got.out, got.lse, do, scale, causal)
+    assert torch.equal(again.values, grads.values) and torch.equal(again.dq, grads.dq)
+    for stage, check in BACKWARD_STAGE_CHECK.items():
+        hit = ta.backward(q, k, v, got.out, got.lse, do, scale, causal, fault(1, stage))
+        row = BACKWARD_CHECKS.index(check)
+        assert float(hit.values[row, 1]) > 100 * float(grads.values[row].max()), stage
+
+
+def test_gqa_heads_are_read_in_place_and_unchecked_runs_compute_the_same():
+    # 2 batches × 4 query heads over 2 key/value heads: the kernels index K and V per group instead
+    # of an expanded copy — bit for bit what the expanded operands give; check=False drops only the checks.
+    b, h, hkv, s, d = 2, 4, 2, 32, 16
+    q = operands(b * h, s, s, d, torch.float16, seed=8)[0]
+    k, v, do = operands(b * hkv, s, s, d, torch.float16, seed=9)[1:4]
+    do = operands(b * h, s, s, d, torch.float16, seed=10)[3]
+
+    def expand(t):
+        return t.reshape(b, hkv, s, d).repeat_interleave(h // hkv, dim=1).reshape(b * h, s, d)
+
+    inplace = ta.forward(q, k, v, 0.25, True, heads=h)
+    expanded = ta.forward(q, expand(k), expand(v), 0.25, True)
+    assert torch.equal(inplace.out, expanded.out) and torch.equal(inplace.values, expanded.values)
+    bi = ta.backward(q, k, v, inplace.out, inplace.lse, do, 0.25, True, heads=h)
+    be = ta.backward(q, expand(k), expand(v), inplace.out, inplace.lse, do, 0.25, True)
+    for name in ("dq", "dk", "dv", "values"):
+        assert torch.equal(getattr(bi, name), getattr(be, name)), name
+    bare = ta.backward(q, k, v, inplace.out, inplace.lse, do, 0.25, True, heads=h, check=False)
+    assert torch.equal(bare.dq, bi.dq) and torch.equal(bare.dk, bi.dk) and bare.values.numel() == 0
+    assert torch.equal(ta.forward(q, k, v, 0.25, True, heads=h, check=False).out, inplace.out)
+    with pytest.raises(ValueError, match="pass `heads`"):
+        ta.forward(q, k, v, 0.25, True)
