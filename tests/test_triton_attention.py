@@ -120,6 +120,7 @@ def test_a_forward_fault_is_seen_by_the_forward_check(stage):
     # δ = 1e-3 in a normalized output whose row-sum noise is ~u·|O|: ≫ the clean value
     assert float(hit.values[0]) > 100 * float(clean.values.max())
     assert float(hit.values[1]) == float(clean.values[1])
+    assert float(hit.raw_l2[0]) > 0.9e-3  # the AEGIS unit: the fault is nearly the whole row difference
     assert abs(float(hit.out[0, 5, 3]) - float(clean.out[0, 5, 3]) - 1e-3) < 1e-6
 
 

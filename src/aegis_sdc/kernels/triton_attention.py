@@ -495,7 +495,7 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
         kv[..., 1].amax(dim=1),
     ])  # fmt: skip
     assert values.shape[0] == len(BACKWARD_CHECKS)
-    l2 = torch.stack([kv[..., 2], qc[..., 4], qc[..., 5], qc[..., 6], kv[..., 3]]).sum(dim=2).sqrt()
+    l2 = torch.stack([kv[..., 2].sum(dim=1), *(qc[..., i].sum(dim=1) for i in (4, 5, 6)), kv[..., 3].sum(dim=1)]).sqrt()
     return Backward(dq, dk, dv, values, l2[0], check_l2=l2)
 
 
