@@ -1,8 +1,8 @@
 """The reference side of the checked GEMM on the tensor cores: the side matrix S and its Triton helpers.
 
 A row check compares the row sums of the fp32 accumulator, C·1, with A·c for c = B·1. The kernel
-takes A·c as a second, narrow MMA on the A tile the main MMA already holds: A [BM, BK] · S [BK, 16]
-with S [K, 16] in the operand dtype:
+takes A·c as a narrow MMA on A's tiles, A [BM, BK] · S [BK, 16], each tile of a row block over its
+own K slice (kernels/triton_gemm.py), with S [K, 16] in the operand dtype:
 
     columns 0, 1, 2:  c_hi, c_lo, c_lo2 — c·2ᵉ split into three parts (hi = rounded, lo = the rest
                       rounded, lo2 = what is still left), so hi + lo + lo2 = c·2ᵉ to three times the
@@ -11,17 +11,15 @@ with S [K, 16] in the operand dtype:
     column 3:         ones: A·1, the by-product a later wgrad check of the same Linear needs
     columns 4–15:     zeros (tl.dot takes no operand dimension under 16)
 
-The three columns' sums are added in fp64 after the loop and divided by 2ᵉ. 2ᵉ is 1 for bf16
+The three columns' sums are added in fp64 after each slice and divided by 2ᵉ. 2ᵉ is 1 for bf16
 (fp32's range); for fp16 it brings max|c| to 2¹⁴ (fp16 holds at most 65504; the sum of a wide row of
 activations does not fit), computed on the device, never read by the host. A column check takes
-Bᵀ·S(u1) the same way on the B tile.
+Bᵀ·S(u1) the same way on B's tiles.
 
 S is built once per vector, not per tile: a weight's two S matrices once per weight and step
 (with its sums), a by-product's S by the kernel that computes it (`store_side`), anything else by
-`SideMatrix.of` — and the kernel's K loop loads [BK, 16] of it per step through a TMA descriptor,
-like an operand tile: it lands in shared memory where the narrow MMA reads it, in the same pipeline
-as A and B. (Loaded through pointers, S went through registers into shared memory on every K step,
-which serialized the owner tiles' MMAs.)
+`SideMatrix.of` — and the kernel loads [BK, 16] of it per K step through a TMA descriptor (made once
+per `SideMatrix`), like an operand tile: it lands in shared memory, where the MMA reads it.
 """
 
 from __future__ import annotations
