@@ -231,3 +231,103 @@ def test_a_wrong_reference_side_is_confirmed_not_taken_for_noise():
     assert AttentionCapture(forward_replay, False, 0, 3, forward.values[3:4].clone()).verdict()[0] is (
         VerdictKind.FALSE_ALARM
     )
+
+
+@pytest.mark.parametrize("kind", ["padding-bool", "float-bias"])
+def test_attn_masks_are_checked_and_match_sdpa(kind):
+    # A padded batch (boolean [B, 1, 1, Sk]: the last keys of batch 1 are padding) and an additive
+    # float mask [1, H, Sq, Sk]: values and gradients as SDPA's math backend, checks under their bounds.
+    g = torch.Generator().manual_seed(3)
+    b, h, s, d = 2, 4, 24, 16
+    q, k, v = (torch.randn(b, h, s, d, generator=g).requires_grad_() for _ in range(3))
+    dout = torch.randn(b, h, s, d, generator=g)
+    if kind == "padding-bool":
+        mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
+        mask[1, ..., s - 7 :] = False
+    else:
+        mask = torch.randn(1, h, s, s, generator=g)
+    hooks = Quiet()
+    out = checked_attention(q, k, v, attn_mask=mask, hooks=hooks)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+        ref_grads = torch.autograd.grad(ref, leaves, dout)
+    # fp32 on both sides, sums in another order: (Sk + D)·u of the largest value, ×4 (as above)
+    assert (out - ref).abs().max() <= 4 * (s + d) * 2.0**-24 * v.abs().max()
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert (got - want).abs().max() <= 8 * (2 * s + d) * 2.0**-24 * want.abs().max()
+    assert float(hooks.values[True][0].max()) < backward_bound(s, s)
+    assert bool(torch.isfinite(hooks.values[False]).all()) and bool(torch.isfinite(hooks.values[True]).all())
+    with pytest.raises(ValueError, match="no key"):
+        checked_attention(q, k, v, attn_mask=torch.zeros(b, 1, 1, s, dtype=torch.bool), hooks=Quiet())
+
+
+class PaddedAttention(torch.nn.Module):
+    """A tiny model whose attention takes a padding mask (and dropout when asked), as HF models do."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.proj = torch.nn.Linear(32, 32)
+        self.dropout = dropout
+
+    def forward(self, x, mask):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(o.transpose(1, 2).reshape(b, s, 32))
+
+
+def _padded_training(model, optimizer, steps: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(4, 1, 1, 32, dtype=torch.bool)
+    mask[2:, ..., 20:] = False  # two sequences padded after 20 tokens
+    for _ in range(steps):
+        x = torch.randn(4, 32, 32, generator=g)
+        loss = model(x, mask).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+
+def test_a_padded_batch_is_checked_and_a_fault_in_it_confirmed(tmp_path):
+    torch.manual_seed(0)
+    model = PaddedAttention()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fault = aegis.FaultSpec(site="<root>:attn_bwd", model="bitflip", bit=27, stage="dq", steps=(20,), row=5, col=3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(fault,)))
+    _padded_training(model, optimizer, 24)
+    summary = guard.close()
+    assert summary.attention_checks == 24 * 2
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(20, "<root>:attn_bwd")]
+    assert summary.false_alarms == 0
+
+
+def test_attention_dropout_is_named_in_the_coverage_not_skipped_silently(tmp_path):
+    torch.manual_seed(0)
+    model = PaddedAttention(dropout=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.warns(UserWarning, match="attention not checked — attention dropout"):
+        guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+        _padded_training(model, optimizer, 3)
+    summary = guard.close()
+    assert summary.attention_checks == 0
+    assert "dropout" in summary.coverage["not_covered"]["<root>:attn_fwd"]
+    assert "dropout" in summary.coverage["not_covered"]["<root>:attn_bwd"]
+
+
+@pytest.mark.gpu
+def test_attention_on_cuda_is_named_in_the_coverage(tmp_path):
+    torch.manual_seed(0)
+    model = PaddedAttention().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.warns(UserWarning, match="attention not checked — attention on CUDA"):
+        guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+        x = torch.randn(4, 32, 32, device="cuda")
+        for _ in range(2):
+            model(x, None).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    summary = guard.close()
+    assert "CUDA" in summary.coverage["not_covered"]["<root>:attn_fwd"]

@@ -206,7 +206,12 @@ class Guard:
         self.attention_records: list[AttentionRecord] = []
         self.attention_sensors: dict[str, AttentionSensor] = {}
         self._false_alarm_handlers: dict[int, Callable[[Evidence], None]] = {}
-        self._router = AttentionRouter(model, self._attention_sensor, self.tracer) if config.attention else None
+        self.uncovered_attention: dict[str, str] = {}  # module → why its attention runs unchecked
+        self._router = (
+            AttentionRouter(model, self._attention_sensor, self.tracer, self._uncovered_attention)
+            if config.attention
+            else None
+        )
         if self._router is not None:
             self._router.install()
         self.store.write_run(self.identity.to_dict(), config.to_dict(), _versions())
@@ -265,6 +270,16 @@ class Guard:
             self.uncovered_linears[module] = reason
             message = f"{module}: not checked on this GPU — {reason}"
             self._pending_events.append(("not_covered", message, self._site_id(f"{module}:fwd")))
+            warnings.warn(f"aegis-sdc: {message}", stacklevel=4)
+
+    def _uncovered_attention(self, module: str, reason: str) -> None:
+        """An attention module of the model whose calls stay unchecked: named once, in a warning and
+        the coverage (its sites are registered so the report and the store can name them)."""
+        if module not in self.uncovered_attention:
+            self.uncovered_attention[module] = reason
+            self._attention_sensor(module)
+            message = f"{module}: attention not checked — {reason}"
+            self._pending_events.append(("not_covered", message, self._site_id(f"{module}:attn_fwd")))
             warnings.warn(f"aegis-sdc: {message}", stacklevel=4)
 
     def _attention_sensor(self, module: str) -> AttentionSensor:
@@ -403,6 +418,9 @@ class Guard:
         coverage = self.fingerprints.coverage()
         for module, reason in self.uncovered_linears.items():
             for kind in GemmKind:
+                coverage["not_covered"][f"{module}:{kind.value}"] = reason
+        for module, reason in self.uncovered_attention.items():
+            for kind in AttentionKind:
                 coverage["not_covered"][f"{module}:{kind.value}"] = reason
         return coverage
 

@@ -3,11 +3,14 @@
 While a guard is open, `torch.nn.functional.scaled_dot_product_attention` is replaced by `sdpa`
 below. A call is checked when it comes from a module of the protected model (the calling frame's
 `self` or `module`, which names the site: `layers.1.attn:attn_fwd` / `:attn_bwd`), its arguments are
-supported (4-D q, k, v; no `attn_mask`; no dropout; `enable_gqa` or equal head counts) and its
-tensors are on the CPU — on CUDA the fused Triton kernels are not built yet, so GPU calls keep SDPA.
-Sampled calls run the checked op; the others, and every other call, keep SDPA and its fastest
-backend. Inside a checkpointed segment the recomputation replays the forward's decision, so both
-runs take the same path (bit-identical results).
+supported (4-D q, k, v; causal or an `attn_mask` the op takes — padding masks included; no dropout;
+`enable_gqa` or equal head counts) and its tensors are on the CPU — on CUDA the Triton kernels are not
+enabled yet (ops/checked_attention.TRITON_ON_CUDA). A call of the model that stays unchecked for
+any of these reasons is named once per module, in a warning and the coverage report
+(`uncovered`): nothing falls back silently. Sampled calls run the checked op; the others, and every
+call from outside the model, keep SDPA and its fastest backend. Inside a checkpointed segment the
+recomputation replays the forward's decision, so both runs take the same path (bit-identical
+results).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aegis_sdc.ops.checked_attention import autocast_inputs, checked_attention
+from aegis_sdc.ops.checked_attention import autocast_inputs, checked_attention, mask_problem
 from aegis_sdc.ops.checked_linear import PlanTracer
 from aegis_sdc.sensors.attention import AttentionPlan, AttentionSensor
 
@@ -51,13 +54,28 @@ def _live(fn):
     return fn
 
 
+def unchecked_reason(q, k, attn_mask, dropout_p: float, is_causal: bool) -> str | None:
+    """Why a call of the protected model keeps SDPA unchecked (None: the op takes it)."""
+    if q.is_cuda:
+        return "attention on CUDA (the Triton attention kernels are not enabled yet)"
+    if dropout_p > 0.0:
+        return "attention dropout (not checked yet)"
+    if attn_mask is not None:
+        return "attn_mask together with is_causal" if is_causal else mask_problem(attn_mask, q, k)
+    return None
+
+
 class AttentionRouter:
-    def __init__(self, model: nn.Module, sensor_for: Callable[[str], AttentionSensor], tracer: PlanTracer) -> None:
+    def __init__(self, model: nn.Module, sensor_for: Callable[[str], AttentionSensor], tracer: PlanTracer,
+                 uncovered: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
         self.names = {id(module): name for name, module in model.named_modules()}
         self.sensor_for = sensor_for
         self.tracer = tracer
+        self.uncovered = uncovered or (lambda module, reason: None)
         self.closed = False
         self._original: Any = None
+        self._named_on_cuda: set[str] = set()  # modules named for CUDA; looked up until one repeats
+        self._cuda_naming_done = False
 
     def install(self) -> None:
         self._original = F.scaled_dot_product_attention
@@ -97,13 +115,21 @@ class AttentionRouter:
         # What SDPA would compute on: under autocast its inputs are cast to the autocast dtype. Mixed
         # dtypes outside autocast go to SDPA, which raises its own error.
         q, k, v = autocast_inputs(query, key, value)
-        supported = (
-            attn_mask is None and dropout_p == 0.0 and not kwargs and q.dim() == 4 and k.dim() == 4
-            and not q.is_cuda and (enable_gqa or k.shape[1] == q.shape[1])
+        shaped = (
+            not kwargs and q.dim() == 4 and k.dim() == 4 and (enable_gqa or k.shape[1] == q.shape[1])
             and q.is_floating_point() and q.dtype == k.dtype == v.dtype
         )  # fmt: skip
-        name = self._caller() if supported and not self.closed else None
+        if not shaped or self.closed or (q.is_cuda and self._cuda_naming_done):
+            return fallback()
+        name = self._caller()
         if name is None:
+            return fallback()
+        reason = unchecked_reason(q, k, attn_mask, dropout_p, is_causal)
+        if reason is not None:
+            if q.is_cuda:  # one forward names every attention module; then no more lookups per call
+                self._cuda_naming_done = name in self._named_on_cuda
+                self._named_on_cuda.add(name)
+            self.uncovered(name, reason)
             return fallback()
         if self.tracer.replaying:  # a checkpointed segment's recomputation: the forward's path
             plan = self.tracer.next_replayed()
@@ -111,12 +137,12 @@ class AttentionRouter:
                 return fallback()
             sensor, plan = plan
             silent = AttentionPlan(plan.step, plan.call, plan.heads, False, {}, silent=True)
-            return checked_attention(q, k, v, causal=is_causal, scale=scale,
+            return checked_attention(q, k, v, causal=is_causal, scale=scale, attn_mask=attn_mask,
                                      hooks=_PlannedHooks(sensor, silent, q.shape[1]))  # fmt: skip
         sensor = self.sensor_for(name)
         plan = sensor.plan(query.shape[0] * query.shape[1], query.shape[2], key.shape[2], query.shape[3])
         self.tracer.record(None if plan is None else (sensor, plan))
         if plan is None:
             return fallback()
-        return checked_attention(q, k, v, causal=is_causal, scale=scale,
+        return checked_attention(q, k, v, causal=is_causal, scale=scale, attn_mask=attn_mask,
                                  hooks=_PlannedHooks(sensor, plan, q.shape[1]))  # fmt: skip

@@ -1,7 +1,8 @@
 """Checked attention on the reference path: plain PyTorch, fp32 accumulation, all heads batched.
 
 Heads are flattened: q [N, Sq, D], k and v [N, Sk, D] (N = batch · query heads, GQA already
-expanded), scale c, optional causal mask (queries aligned to the end of the keys, as SDPA does):
+expanded), scale c, optional causal mask (queries aligned to the end of the keys, as SDPA does) and
+optional additive mask (SDPA's `attn_mask`, added to the scaled scores; every row keeps a key):
 
     forward   S = c·q·kᵀ (fp32),  m = max_k S,  p = exp(S − m),  ℓ = Σ_k p,  P = p / ℓ,  lse = m + log ℓ,
               O_acc = P·V (fp32); the checksum compares O_acc·1 with P·(V·1) (fp64), a checksum column
@@ -74,8 +75,10 @@ class Backward:
     check_l2: torch.Tensor | None = None  # [len(BACKWARD_CHECKS), N]: each check's ‖raw difference‖₂ (Triton path)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
     s = torch.bmm(q.float(), k.float().transpose(1, 2)) * scale
+    if mask is not None:  # additive fp32 [N or 1, Sq, Sk] (a boolean mask arrives as 0 / −inf)
+        s = s + mask
     if causal:
         sq, sk = s.shape[1:]
         keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(diagonal=sk - sq)
@@ -97,18 +100,21 @@ def _largest(diff: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(diff, nan=math.inf).amax(dim=1)
 
 
-def attention_forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None) -> Forward:
+def attention_forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
+                      mask: torch.Tensor | None = None) -> Forward:  # fmt: skip
+    """`mask`: an additive fp32 attention mask [N or 1, Sq, Sk] (SDPA's `attn_mask`, flattened)."""
     with exact_fp32(q.device.type):  # the same arithmetic in training and in every replay
-        return _forward(q, k, v, scale, causal, fault)
+        return _forward(q, k, v, scale, causal, fault, mask)
 
 
-def attention_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None) -> Backward:
+def attention_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None,
+                       mask: torch.Tensor | None = None) -> Backward:  # fmt: skip
     with exact_fp32(q.device.type):
-        return _backward(q, k, v, out, lse, dout, scale, causal, fault)
+        return _backward(q, k, v, out, lse, dout, scale, causal, fault, mask)
 
 
-def _forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None) -> Forward:
-    s = _corrupt(_scores(q, k, scale, causal), fault, "qk")
+def _forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None, mask) -> Forward:
+    s = _corrupt(_scores(q, k, scale, causal, mask), fault, "qk")
     m = s.amax(dim=-1, keepdim=True)
     p = _corrupt(torch.exp(s - m), fault, "softmax")
     ell = p.sum(dim=-1, keepdim=True)
@@ -132,8 +138,8 @@ def _gemm_rows(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     return _largest((acc.double().sum(dim=-1) - ref).abs() / (U32 * scale).clamp_min(1e-300))
 
 
-def _backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None) -> Backward:
-    s = _corrupt(_scores(q, k, scale, causal), fault, "qk")
+def _backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None, mask) -> Backward:
+    s = _corrupt(_scores(q, k, scale, causal, mask), fault, "qk")
     probs = _corrupt(torch.exp(s - lse.float()[..., None]), fault, "softmax")
     do32, q32, k32, v32, o32 = dout.float(), q.float(), k.float(), v.float(), out.float()
     dv = _corrupt(torch.bmm(probs.transpose(1, 2), do32), fault, "pv")  # [N, Sk, D] fp32 accumulator

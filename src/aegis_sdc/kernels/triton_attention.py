@@ -390,6 +390,11 @@ def _fault_args(fault: HeadFault | None, backward: bool, sq: int, sk: int, d: in
     return model, _STAGE_IDS[fault.stage], (fault.head, *corruption.element(*shape), delta, mask)
 
 
+def _no_mask(mask: torch.Tensor | None) -> None:
+    if mask is not None:
+        raise ValueError("the Triton attention kernels take no attn_mask yet (the reference kernels do)")
+
+
 def _grouping(n: int, kv_heads_total: int, heads: int | None) -> tuple[int, int]:
     """(query heads per batch, query heads per key/value head) for N flattened query heads."""
     if heads is None:
@@ -409,14 +414,16 @@ def _strides(t: torch.Tensor) -> tuple[int, int]:
     return t.stride(0), t.stride(1)
 
 
-def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None, *, heads: int | None = None,
-            check: bool = True) -> Forward:  # fmt: skip
+def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None, mask: torch.Tensor | None = None,
+            *, heads: int | None = None, check: bool = True) -> Forward:  # fmt: skip
     """The checked forward of flattened heads (see the module docstring): out [N, Sq, D] (q's dtype),
     lse [N, Sq] fp32, values [N] fp64 and raw_l2 [N] fp64 on the device.
 
     k and v hold N or fewer heads: with `heads` query heads per batch and k [N·Hkv/heads, Sk, D], query
     head h of a batch reads key/value head h // (heads / Hkv) in place (GQA without an expanded copy).
-    `check=False` runs the same kernel without its checks (values empty: benchmarks)."""
+    `check=False` runs the same kernel without its checks (values empty: benchmarks). No `mask` yet
+    (`supported` says so; the op runs masked calls on the reference kernels)."""
+    _no_mask(mask)
     n, sq, d = q.shape
     heads, group = _grouping(n, k.shape[0], heads)
     sk = k.shape[1]
@@ -437,11 +444,13 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
     return Forward(out, lse, checks[..., 0].double().amax(dim=1), checks[..., 1].double().sum(dim=1).sqrt())
 
 
-def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None, *,
-             heads: int | None = None, check: bool = True) -> Backward:  # fmt: skip
+def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None,
+             mask: torch.Tensor | None = None, *, heads: int | None = None,
+             check: bool = True) -> Backward:  # fmt: skip
     """The checked backward of flattened heads: dq, dk, dv fp32 (per query head: a GQA group's sum
     is the caller's), values [len(BACKWARD_CHECKS), N] fp64 and raw_l2 [N] (‖1ᵀdV − (1ᵀPᵀ)·dO‖₂) on
     the device. `heads` and `check` as for `forward`."""
+    _no_mask(mask)
     n, sq, d = q.shape
     heads, group = _grouping(n, k.shape[0], heads)
     sk = k.shape[1]

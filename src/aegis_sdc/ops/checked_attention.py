@@ -1,5 +1,5 @@
-"""The checked attention op: `scaled_dot_product_attention` semantics (no mask, no dropout; causal or
-not; grouped-query attention) as one autograd Function over the reference kernels.
+"""The checked attention op: `scaled_dot_product_attention` semantics (causal or an `attn_mask`, no
+dropout; grouped-query attention) as one autograd Function over the reference kernels.
 
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H a multiple of Hkv → out [B, H, Sq, D]
 
@@ -35,11 +35,11 @@ from aegis_sdc.kernels.attention_reference import HeadFault, attention_backward,
 TRITON_ON_CUDA = False
 
 
-def kernels_for(q: torch.Tensor) -> tuple[Any, Any]:
+def kernels_for(q: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[Any, Any]:
     """(forward, backward) for flattened operands like q: the Triton kernels for CUDA operands they
-    take (with `TRITON_ON_CUDA`), else the reference path. A call's bits depend on the choice, so
-    replays make it again from the same operands."""
-    if TRITON_ON_CUDA and q.is_cuda and triton_attention.supported(q, q) is None:
+    take (with `TRITON_ON_CUDA`; no attn_mask yet), else the reference path. A call's bits depend on
+    the choice, so replays make it again from the same operands."""
+    if TRITON_ON_CUDA and mask is None and q.is_cuda and triton_attention.supported(q, q) is None:
         return triton_attention.forward, triton_attention.backward
     return attention_forward, attention_backward
 
@@ -62,6 +62,37 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"checked attention: query heads are not a multiple of key/value heads: {shapes}")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(f"checked attention: q, k, v need one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def mask_problem(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why an `attn_mask` cannot be checked (None: it can). Checked: boolean or floating masks that
+    broadcast to [B, H, Sq, Sk], need no gradient, and leave every query row at least one key (a row
+    with none is NaN in SDPA; nothing to check). The last reads the mask on the host: the reference
+    path's masked calls only."""
+    b, h, sq, _ = q.shape
+    target = (b, h, sq, k.shape[2])
+    if not (mask.dtype == torch.bool or mask.is_floating_point()):
+        return f"an attn_mask of dtype {mask.dtype}"
+    if mask.requires_grad:
+        return "an attn_mask that requires grad (a learned bias)"
+    try:
+        torch.broadcast_shapes(mask.shape, target)
+    except RuntimeError:
+        return f"an attn_mask of shape {tuple(mask.shape)} for scores {target}"
+    keeps = mask if mask.dtype == torch.bool else mask > float("-inf")
+    if not bool(keeps.any(dim=-1).all()):
+        return "an attn_mask that leaves a query row no key"
+    return None
+
+
+def _flat_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """SDPA's attn_mask as the kernels add it: fp32 [B·H, Sq, Sk] (boolean: 0 where kept, −inf not)."""
+    if mask is None:
+        return None
+    b, h, sq, _ = q.shape
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.float().expand(b, h, sq, k.shape[2]).reshape(b * h, sq, k.shape[2])
 
 
 def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -89,11 +120,12 @@ class CallReplay:
     """What a vTask keeps of one call: its inputs and what training computed from them. The verifier
     reruns the whole call (the same batched shapes, hence the same bits) and compares one head."""
 
-    def __init__(self, head: int, q, k, v, scale, causal, out, lse, dout=None, grads=None) -> None:
+    def __init__(self, head: int, q, k, v, scale, causal, out, lse, dout=None, grads=None, mask=None) -> None:
         def keep(t):
             return None if t is None else t.detach().clone()
 
         self.head = head
+        self.mask = keep(mask)
         self.q, self.k, self.v = keep(q), keep(k), keep(v)
         self.scale, self.causal = scale, causal
         self.out, self.lse, self.dout = keep(out), keep(lse), keep(dout)
@@ -109,11 +141,11 @@ class CallReplay:
         return self.out[self.head], self.lse[self.head]
 
     def _forward(self):
-        return kernels_for(self.q)[0](self.q, self.k, self.v, self.scale, self.causal)
+        return kernels_for(self.q, self.mask)[0](self.q, self.k, self.v, self.scale, self.causal, None, self.mask)
 
     def _backward(self):
-        backward = kernels_for(self.q)[1]
-        return backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal)
+        backward = kernels_for(self.q, self.mask)[1]
+        return backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal, None, self.mask)
 
     def forward_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         again = self._forward()
@@ -132,13 +164,15 @@ class CallReplay:
 
 class CheckedAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks):
+    def forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks, mask: torch.Tensor | None):
         b, h = q.shape[:2]
         plan = hooks.plan(b * h)
         qf, kf, vf = _heads(q, k, v)
-        result = kernels_for(qf)[0](qf, kf, vf, scale, causal, hooks.fault_for(plan, False))
+        result = kernels_for(qf, mask)[0](qf, kf, vf, scale, causal, hooks.fault_for(plan, False), mask)
+        out, lse = result.out, result.lse
         hooks.observe(plan, False, result.values,
-                      lambda i: CallReplay(i, qf, kf, vf, scale, causal, result.out, result.lse))  # fmt: skip
+                      lambda i: CallReplay(i, qf, kf, vf, scale, causal, out, lse, mask=mask))  # fmt: skip
+        ctx.mask = mask  # fp32 [B·H, Sq, Sk] or None; no gradient
         ctx.save_for_backward(q, k, v, result.out, result.lse)
         ctx.causal, ctx.scale, ctx.hooks, ctx.plan = causal, scale, hooks, plan
         return result.out.reshape(q.shape)
@@ -150,21 +184,31 @@ class CheckedAttentionFunction(torch.autograd.Function):
         b, h = q.shape[:2]
         qf, kf, vf = _heads(q, k, v)
         do = dout.reshape(out.shape)
-        backward = kernels_for(qf)[1]
-        result = backward(qf, kf, vf, out, lse, do, ctx.scale, ctx.causal, ctx.hooks.fault_for(ctx.plan, True))
+        mask = ctx.mask
+        backward = kernels_for(qf, mask)[1]
+        result = backward(qf, kf, vf, out, lse, do, ctx.scale, ctx.causal, ctx.hooks.fault_for(ctx.plan, True), mask)
         grads = (result.dq, result.dk, result.dv)
+        scale, causal = ctx.scale, ctx.causal
         ctx.hooks.observe(ctx.plan, True, result.values,
-                          lambda i: CallReplay(i, qf, kf, vf, ctx.scale, ctx.causal, out, lse, do, grads))  # fmt: skip
+                          lambda i: CallReplay(i, qf, kf, vf, scale, causal, out, lse, do, grads, mask))  # fmt: skip
         hkv = k.shape[1]
         # GQA: each key/value head's gradient is the sum over its group of query heads (fp32, fixed order)
         dk = result.dk.reshape(b, hkv, h // hkv, *k.shape[2:]).sum(dim=2)
         dv = result.dv.reshape(b, hkv, h // hkv, *v.shape[2:]).sum(dim=2)
-        return result.dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return result.dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def checked_attention(q, k, v, *, causal: bool = False, scale: float | None = None, hooks: AttentionHooks):
-    """Attention with the forward (O·1 = P·(V·1)) and backward (1ᵀdV = 1ᵀdO) checks."""
+def checked_attention(q, k, v, *, causal: bool = False, scale: float | None = None, hooks: AttentionHooks,
+                      attn_mask: torch.Tensor | None = None):  # fmt: skip
+    """Attention with its forward and backward checks; `attn_mask` as SDPA's (boolean: True keeps a
+    key; floating: added to the scaled scores), not together with `causal`, as in SDPA."""
     q, k, v = autocast_inputs(q, k, v)
     validate(q, k, v)
+    if attn_mask is not None:
+        if causal:
+            raise ValueError("checked attention: attn_mask and causal together (SDPA takes one or the other)")
+        problem = mask_problem(attn_mask, q, k)
+        if problem is not None:
+            raise ValueError(f"checked attention cannot take {problem}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return CheckedAttentionFunction.apply(q, k, v, causal, scale, hooks)
+    return CheckedAttentionFunction.apply(q, k, v, causal, scale, hooks, _flat_mask(attn_mask, q, k))
