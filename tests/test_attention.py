@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from tests.helpers import MEDIUM, guard_config, small_workload, train
 
 import aegis_sdc as aegis
-from aegis_sdc.kernels.attention_reference import attention_backward, attention_forward, backward_bound
+from aegis_sdc.faults.models import AccumulatorFault
+from aegis_sdc.kernels.attention_reference import HeadFault, attention_backward, attention_forward, backward_bound
 from aegis_sdc.ops.checked_attention import checked_attention
 
 
@@ -304,17 +305,36 @@ def test_a_padded_batch_is_checked_and_a_fault_in_it_confirmed(tmp_path):
     assert summary.false_alarms == 0
 
 
-def test_attention_dropout_is_named_in_the_coverage_not_skipped_silently(tmp_path):
+def test_attention_dropout_is_checked_and_a_fault_under_it_confirmed(tmp_path):
+    # Dropout (p = 0.1) in training: every call checked (dv as P_dᵀ·dO's column check plus P's rows),
+    # no false alarm over the clean steps, a dq fault confirmed — the replay redraws nothing (the
+    # call's dropout mask is kept with its context).
     torch.manual_seed(0)
     model = PaddedAttention(dropout=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.warns(UserWarning, match="attention not checked — attention dropout"):
-        guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
-        _padded_training(model, optimizer, 3)
+    fault = aegis.FaultSpec(site="<root>:attn_bwd", model="bitflip", bit=27, stage="dq", steps=(20,), row=5, col=3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(fault,)))
+    _padded_training(model, optimizer, 24)
     summary = guard.close()
-    assert summary.attention_checks == 0
-    assert "dropout" in summary.coverage["not_covered"]["<root>:attn_fwd"]
-    assert "dropout" in summary.coverage["not_covered"]["<root>:attn_bwd"]
+    assert summary.attention_checks == 24 * 2
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(20, "<root>:attn_bwd")]
+    assert summary.false_alarms == 0
+
+
+@pytest.mark.parametrize("stage", ["qk", "softmax", "pv", "dp", "ds", "dq", "dk"])
+def test_under_dropout_each_backward_stage_is_seen_by_its_check(stage):
+    g = torch.Generator().manual_seed(5)
+    n, s, d = 2, 24, 16
+    q, k, v, do = (torch.randn(n, s, d, generator=g) for _ in range(4))
+    drop = (torch.rand(n, s, s, generator=g) >= 0.2).float() / 0.8
+    fwd = attention_forward(q, k, v, 0.25, True, drop=drop)
+    clean = attention_backward(q, k, v, fwd.out, fwd.lse, do, 0.25, True, drop=drop)
+    corruption = AccumulatorFault("bitflip", 27, 0.0, 5, 3, 0.0, 0.0)
+    hit = attention_backward(q, k, v, fwd.out, fwd.lse, do, 0.25, True, HeadFault(1, stage, corruption), drop=drop)
+    row = {"qk": 0, "softmax": 0, "pv": 0, "dp": 1, "ds": 2, "dq": 3, "dk": 4}[stage]  # qk, softmax: P's rows
+    assert float(clean.values.max()) < backward_bound(s, s)  # clean: every check under its bound
+    assert float(hit.values[row, 1]) > 100 * float(clean.values[row].max())
+    assert torch.equal(hit.values[:, 0], clean.values[:, 0])
 
 
 @pytest.mark.gpu

@@ -159,7 +159,7 @@ def test_a_protected_model_on_the_triton_kernels_confirms_faults_and_nothing_els
     import aegis_sdc as aegis
     from aegis_sdc.ops import checked_attention
 
-    monkeypatch.setattr(checked_attention, "kernels_for", lambda q, mask=None: (ta.forward, ta.backward))
+    monkeypatch.setattr(checked_attention, "kernels_for", lambda q, mask=None, drop=None: (ta.forward, ta.backward))
     faults = tuple(
         aegis.FaultSpec(site=f"layers.0.attn:{kind}", model="bitflip", bit=27, stage=stage, steps=(step,), row=5, col=3)
         for kind, stage, step, _ in TRITON_STAGE_FAULTS

@@ -3,7 +3,7 @@
 While a guard is open, `torch.nn.functional.scaled_dot_product_attention` is replaced by `sdpa`
 below. A call is checked when it comes from a module of the protected model (the calling frame's
 `self` or `module`, which names the site: `layers.1.attn:attn_fwd` / `:attn_bwd`), its arguments are
-supported (4-D q, k, v; causal or an `attn_mask` the op takes — padding masks included; no dropout;
+supported (4-D q, k, v; causal or an `attn_mask` the op takes — padding masks included; dropout;
 `enable_gqa` or equal head counts) and its tensors are on the CPU — on CUDA the Triton kernels are not
 enabled yet (ops/checked_attention.TRITON_ON_CUDA). A call of the model that stays unchecked for
 any of these reasons is named once per module, in a warning and the coverage report
@@ -58,8 +58,8 @@ def unchecked_reason(q, k, attn_mask, dropout_p: float, is_causal: bool) -> str 
     """Why a call of the protected model keeps SDPA unchecked (None: the op takes it)."""
     if q.is_cuda:
         return "attention on CUDA (the Triton attention kernels are not enabled yet)"
-    if dropout_p > 0.0:
-        return "attention dropout (not checked yet)"
+    if not 0.0 <= dropout_p < 1.0:
+        return f"dropout_p {dropout_p}"
     if attn_mask is not None:
         return "attn_mask together with is_causal" if is_causal else mask_problem(attn_mask, q, k)
     return None
@@ -137,12 +137,12 @@ class AttentionRouter:
                 return fallback()
             sensor, plan = plan
             silent = AttentionPlan(plan.step, plan.call, plan.heads, False, {}, silent=True)
-            return checked_attention(q, k, v, causal=is_causal, scale=scale, attn_mask=attn_mask,
+            return checked_attention(q, k, v, causal=is_causal, scale=scale, attn_mask=attn_mask, dropout_p=dropout_p,
                                      hooks=_PlannedHooks(sensor, silent, q.shape[1]))  # fmt: skip
         sensor = self.sensor_for(name)
         plan = sensor.plan(query.shape[0] * query.shape[1], query.shape[2], key.shape[2], query.shape[3])
         self.tracer.record(None if plan is None else (sensor, plan))
         if plan is None:
             return fallback()
-        return checked_attention(q, k, v, causal=is_causal, scale=scale, attn_mask=attn_mask,
+        return checked_attention(q, k, v, causal=is_causal, scale=scale, attn_mask=attn_mask, dropout_p=dropout_p,
                                  hooks=_PlannedHooks(sensor, plan, q.shape[1]))  # fmt: skip

@@ -2,7 +2,9 @@
 
 Heads are flattened: q [N, Sq, D], k and v [N, Sk, D] (N = batch · query heads, GQA already
 expanded), scale c, optional causal mask (queries aligned to the end of the keys, as SDPA does) and
-optional additive mask (SDPA's `attn_mask`, added to the scaled scores; every row keeps a key):
+optional additive mask (SDPA's `attn_mask`, added to the scaled scores; every row keeps a key) and
+optional dropout (a multiplier of P drawn by the op; with it `dv` is the GEMM column check of
+P_dᵀ·dO together with the recomputed P's row sums, since P_d's rows do not sum to 1):
 
     forward   S = c·q·kᵀ (fp32),  m = max_k S,  p = exp(S − m),  ℓ = Σ_k p,  P = p / ℓ,  lse = m + log ℓ,
               O_acc = P·V (fp32); the checksum compares O_acc·1 with P·(V·1) (fp64), a checksum column
@@ -101,24 +103,27 @@ def _largest(diff: torch.Tensor) -> torch.Tensor:
 
 
 def attention_forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
-                      mask: torch.Tensor | None = None) -> Forward:  # fmt: skip
-    """`mask`: an additive fp32 attention mask [N or 1, Sq, Sk] (SDPA's `attn_mask`, flattened)."""
+                      mask: torch.Tensor | None = None, drop: torch.Tensor | None = None) -> Forward:  # fmt: skip
+    """`mask`: an additive fp32 attention mask [N or 1, Sq, Sk] (SDPA's `attn_mask`, flattened);
+    `drop`: dropout as an fp32 multiplier [N, Sq, Sk] (0 where dropped, 1/(1 − p) where kept)."""
     with exact_fp32(q.device.type):  # the same arithmetic in training and in every replay
-        return _forward(q, k, v, scale, causal, fault, mask)
+        return _forward(q, k, v, scale, causal, fault, mask, drop)
 
 
 def attention_backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None,
-                       mask: torch.Tensor | None = None) -> Backward:  # fmt: skip
+                       mask: torch.Tensor | None = None, drop: torch.Tensor | None = None) -> Backward:  # fmt: skip
     with exact_fp32(q.device.type):
-        return _backward(q, k, v, out, lse, dout, scale, causal, fault, mask)
+        return _backward(q, k, v, out, lse, dout, scale, causal, fault, mask, drop)
 
 
-def _forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None, mask) -> Forward:
+def _forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None, mask, drop) -> Forward:
     s = _corrupt(_scores(q, k, scale, causal, mask), fault, "qk")
     m = s.amax(dim=-1, keepdim=True)
     p = _corrupt(torch.exp(s - m), fault, "softmax")
     ell = p.sum(dim=-1, keepdim=True)
     probs = p / ell
+    if drop is not None:  # O = P_d·V with P_d = P ⊙ drop: the check takes the same P_d
+        probs = probs * drop
     v32 = v.float()
     acc = _corrupt(torch.bmm(probs, v32), fault, "pv")  # [N, Sq, D] fp32 accumulator
     p64, v64 = probs.double(), v32.double()
@@ -138,20 +143,29 @@ def _gemm_rows(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     return _largest((acc.double().sum(dim=-1) - ref).abs() / (U32 * scale).clamp_min(1e-300))
 
 
-def _backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None, mask) -> Backward:
+def _backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None, mask, drop) -> Backward:
     s = _corrupt(_scores(q, k, scale, causal, mask), fault, "qk")
     probs = _corrupt(torch.exp(s - lse.float()[..., None]), fault, "softmax")
     do32, q32, k32, v32, o32 = dout.float(), q.float(), k.float(), v.float(), out.float()
-    dv = _corrupt(torch.bmm(probs.transpose(1, 2), do32), fault, "pv")  # [N, Sk, D] fp32 accumulator
+    kept = probs if drop is None else probs * drop  # P_d: what multiplied V in forward
+    dv = _corrupt(torch.bmm(kept.transpose(1, 2), do32), fault, "pv")  # [N, Sk, D] fp32 accumulator
     col_dv = dv.double().sum(dim=1)  # [N, D]: 1ᵀdV
-    col_do = do32.double().sum(dim=1)  # [N, D]: 1ᵀdO
-    t = do32.double().abs().sum(dim=1)
-    diff = col_dv - col_do
+    if drop is None:  # rows of P sum to 1: 1ᵀdV = 1ᵀdO
+        col_ref = do32.double().sum(dim=1)
+        t = do32.double().abs().sum(dim=1)
+    else:  # rows of P_d do not: 1ᵀdV = (P_d·1)ᵀdO, the GEMM column check of P_dᵀ·dO
+        rows = kept.double().sum(dim=-1, keepdim=True)
+        col_ref = (rows * do32.double()).sum(dim=1)
+        t = (rows * do32.double().abs()).sum(dim=1)
+    diff = col_dv - col_ref
     dv_values = _largest(diff.abs() / (U32 * t).clamp_min(1e-300))
+    if drop is not None:  # what 1ᵀdO also checked: the recomputed P's rows sum to 1 (within (Sk + 3)·u)
+        dv_values = torch.maximum(dv_values, _largest((probs.double().sum(dim=-1) - 1).abs() / U32))
     vt = v32.transpose(1, 2)
-    dp = _corrupt(torch.bmm(do32, vt), fault, "dp")  # [N, Sq, Sk]
+    dp = _corrupt(torch.bmm(do32, vt), fault, "dp")  # [N, Sq, Sk]: the GEMM dO·Vᵀ (= dP_d)
     delta = (do32 * o32).sum(dim=-1, keepdim=True)
-    ds = _corrupt(probs * (dp - delta), fault, "ds")
+    dp_kept = dp if drop is None else dp * drop  # dL/dP = dP_d ⊙ drop; Σ_k P·(dP_d ⊙ drop) = dO·O = D still
+    ds = _corrupt(probs * (dp_kept - delta), fault, "ds")
     dq_acc = _corrupt(torch.bmm(ds, k32), fault, "dq")  # [N, Sq, D] fp32 accumulator of dS·k
     dk_acc = _corrupt(torch.bmm(ds.transpose(1, 2), q32), fault, "dk")  # [N, Sk, D] of dSᵀ·q
     u_out = torch.finfo(out.dtype).eps / 2

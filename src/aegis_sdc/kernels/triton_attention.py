@@ -390,9 +390,9 @@ def _fault_args(fault: HeadFault | None, backward: bool, sq: int, sk: int, d: in
     return model, _STAGE_IDS[fault.stage], (fault.head, *corruption.element(*shape), delta, mask)
 
 
-def _no_mask(mask: torch.Tensor | None) -> None:
-    if mask is not None:
-        raise ValueError("the Triton attention kernels take no attn_mask yet (the reference kernels do)")
+def _reference_only(mask: torch.Tensor | None, drop: torch.Tensor | None) -> None:
+    if mask is not None or drop is not None:
+        raise ValueError("the Triton attention kernels take no attn_mask or dropout yet (the reference kernels do)")
 
 
 def _grouping(n: int, kv_heads_total: int, heads: int | None) -> tuple[int, int]:
@@ -415,15 +415,15 @@ def _strides(t: torch.Tensor) -> tuple[int, int]:
 
 
 def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None, mask: torch.Tensor | None = None,
-            *, heads: int | None = None, check: bool = True) -> Forward:  # fmt: skip
+            drop: torch.Tensor | None = None, *, heads: int | None = None, check: bool = True) -> Forward:  # fmt: skip
     """The checked forward of flattened heads (see the module docstring): out [N, Sq, D] (q's dtype),
     lse [N, Sq] fp32, values [N] fp64 and raw_l2 [N] fp64 on the device.
 
     k and v hold N or fewer heads: with `heads` query heads per batch and k [N·Hkv/heads, Sk, D], query
     head h of a batch reads key/value head h // (heads / Hkv) in place (GQA without an expanded copy).
-    `check=False` runs the same kernel without its checks (values empty: benchmarks). No `mask` yet
-    (`supported` says so; the op runs masked calls on the reference kernels)."""
-    _no_mask(mask)
+    `check=False` runs the same kernel without its checks (values empty: benchmarks). No `mask` or
+    `drop` yet (the op runs such calls on the reference kernels)."""
+    _reference_only(mask, drop)
     n, sq, d = q.shape
     heads, group = _grouping(n, k.shape[0], heads)
     sk = k.shape[1]
@@ -445,12 +445,12 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
 
 
 def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None,
-             mask: torch.Tensor | None = None, *, heads: int | None = None,
+             mask: torch.Tensor | None = None, drop: torch.Tensor | None = None, *, heads: int | None = None,
              check: bool = True) -> Backward:  # fmt: skip
     """The checked backward of flattened heads: dq, dk, dv fp32 (per query head: a GQA group's sum
     is the caller's), values [len(BACKWARD_CHECKS), N] fp64 and raw_l2 [N] (‖1ᵀdV − (1ᵀPᵀ)·dO‖₂) on
     the device. `heads` and `check` as for `forward`."""
-    _no_mask(mask)
+    _reference_only(mask, drop)
     n, sq, d = q.shape
     heads, group = _grouping(n, k.shape[0], heads)
     sk = k.shape[1]

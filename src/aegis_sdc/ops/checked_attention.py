@@ -1,5 +1,5 @@
-"""The checked attention op: `scaled_dot_product_attention` semantics (causal or an `attn_mask`, no
-dropout; grouped-query attention) as one autograd Function over the reference kernels.
+"""The checked attention op: `scaled_dot_product_attention` semantics (causal or an `attn_mask`,
+dropout, grouped-query attention) as one autograd Function over the reference kernels.
 
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H a multiple of Hkv → out [B, H, Sq, D]
 
@@ -35,11 +35,12 @@ from aegis_sdc.kernels.attention_reference import HeadFault, attention_backward,
 TRITON_ON_CUDA = False
 
 
-def kernels_for(q: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[Any, Any]:
+def kernels_for(q: torch.Tensor, mask: torch.Tensor | None = None, drop: torch.Tensor | None = None) -> tuple[Any, Any]:
     """(forward, backward) for flattened operands like q: the Triton kernels for CUDA operands they
-    take (with `TRITON_ON_CUDA`; no attn_mask yet), else the reference path. A call's bits depend on
-    the choice, so replays make it again from the same operands."""
-    if TRITON_ON_CUDA and mask is None and q.is_cuda and triton_attention.supported(q, q) is None:
+    take (with `TRITON_ON_CUDA`; no attn_mask or dropout yet), else the reference path. A call's bits
+    depend on the choice, so replays make it again from the same operands."""
+    plain = mask is None and drop is None
+    if TRITON_ON_CUDA and plain and q.is_cuda and triton_attention.supported(q, q) is None:
         return triton_attention.forward, triton_attention.backward
     return attention_forward, attention_backward
 
@@ -120,12 +121,13 @@ class CallReplay:
     """What a vTask keeps of one call: its inputs and what training computed from them. The verifier
     reruns the whole call (the same batched shapes, hence the same bits) and compares one head."""
 
-    def __init__(self, head: int, q, k, v, scale, causal, out, lse, dout=None, grads=None, mask=None) -> None:
+    def __init__(self, head: int, q, k, v, scale, causal, out, lse, dout=None, grads=None, mask=None,
+                 drop=None) -> None:  # fmt: skip
         def keep(t):
             return None if t is None else t.detach().clone()
 
         self.head = head
-        self.mask = keep(mask)
+        self.mask, self.drop = keep(mask), keep(drop)
         self.q, self.k, self.v = keep(q), keep(k), keep(v)
         self.scale, self.causal = scale, causal
         self.out, self.lse, self.dout = keep(out), keep(lse), keep(dout)
@@ -141,11 +143,13 @@ class CallReplay:
         return self.out[self.head], self.lse[self.head]
 
     def _forward(self):
-        return kernels_for(self.q, self.mask)[0](self.q, self.k, self.v, self.scale, self.causal, None, self.mask)
+        forward = kernels_for(self.q, self.mask, self.drop)[0]
+        return forward(self.q, self.k, self.v, self.scale, self.causal, None, self.mask, self.drop)
 
     def _backward(self):
-        backward = kernels_for(self.q, self.mask)[1]
-        return backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal, None, self.mask)
+        backward = kernels_for(self.q, self.mask, self.drop)[1]
+        return backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal, None,
+                        self.mask, self.drop)  # fmt: skip
 
     def forward_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         again = self._forward()
@@ -164,15 +168,20 @@ class CallReplay:
 
 class CheckedAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks, mask: torch.Tensor | None):
+    def forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks, mask: torch.Tensor | None,
+                dropout_p: float):  # fmt: skip
         b, h = q.shape[:2]
         plan = hooks.plan(b * h)
         qf, kf, vf = _heads(q, k, v)
-        result = kernels_for(qf, mask)[0](qf, kf, vf, scale, causal, hooks.fault_for(plan, False), mask)
+        drop = None
+        if dropout_p > 0.0:  # drawn from the global RNG, once per call (a checkpoint's recomputation restores it)
+            keep = torch.rand(qf.shape[0], qf.shape[1], kf.shape[1], device=q.device) >= dropout_p
+            drop = keep.float() / (1.0 - dropout_p)
+        result = kernels_for(qf, mask, drop)[0](qf, kf, vf, scale, causal, hooks.fault_for(plan, False), mask, drop)
         out, lse = result.out, result.lse
         hooks.observe(plan, False, result.values,
-                      lambda i: CallReplay(i, qf, kf, vf, scale, causal, out, lse, mask=mask))  # fmt: skip
-        ctx.mask = mask  # fp32 [B·H, Sq, Sk] or None; no gradient
+                      lambda i: CallReplay(i, qf, kf, vf, scale, causal, out, lse, mask=mask, drop=drop))  # fmt: skip
+        ctx.mask, ctx.drop = mask, drop  # fp32 [B·H, Sq, Sk] or None; no gradient
         ctx.save_for_backward(q, k, v, result.out, result.lse)
         ctx.causal, ctx.scale, ctx.hooks, ctx.plan = causal, scale, hooks, plan
         return result.out.reshape(q.shape)
@@ -184,24 +193,30 @@ class CheckedAttentionFunction(torch.autograd.Function):
         b, h = q.shape[:2]
         qf, kf, vf = _heads(q, k, v)
         do = dout.reshape(out.shape)
-        mask = ctx.mask
-        backward = kernels_for(qf, mask)[1]
-        result = backward(qf, kf, vf, out, lse, do, ctx.scale, ctx.causal, ctx.hooks.fault_for(ctx.plan, True), mask)
+        mask, drop, scale, causal = ctx.mask, ctx.drop, ctx.scale, ctx.causal
+        backward = kernels_for(qf, mask, drop)[1]
+        result = backward(qf, kf, vf, out, lse, do, scale, causal, ctx.hooks.fault_for(ctx.plan, True), mask, drop)
         grads = (result.dq, result.dk, result.dv)
-        scale, causal = ctx.scale, ctx.causal
-        ctx.hooks.observe(ctx.plan, True, result.values,
-                          lambda i: CallReplay(i, qf, kf, vf, scale, causal, out, lse, do, grads, mask))  # fmt: skip
+
+        def replay(i: int) -> CallReplay:
+            return CallReplay(i, qf, kf, vf, scale, causal, out, lse, do, grads, mask, drop)
+
+        ctx.hooks.observe(ctx.plan, True, result.values, replay)
         hkv = k.shape[1]
         # GQA: each key/value head's gradient is the sum over its group of query heads (fp32, fixed order)
         dk = result.dk.reshape(b, hkv, h // hkv, *k.shape[2:]).sum(dim=2)
         dv = result.dv.reshape(b, hkv, h // hkv, *v.shape[2:]).sum(dim=2)
-        return result.dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return result.dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def checked_attention(q, k, v, *, causal: bool = False, scale: float | None = None, hooks: AttentionHooks,
-                      attn_mask: torch.Tensor | None = None):  # fmt: skip
+                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0):  # fmt: skip
     """Attention with its forward and backward checks; `attn_mask` as SDPA's (boolean: True keeps a
-    key; floating: added to the scaled scores), not together with `causal`, as in SDPA."""
+    key; floating: added to the scaled scores), not together with `causal`, as in SDPA; `dropout_p`
+    as SDPA's (the mask drawn from torch's global RNG — the same distribution as SDPA's dropout, not
+    the same draws)."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"checked attention: dropout_p must be in [0, 1), got {dropout_p}")
     q, k, v = autocast_inputs(q, k, v)
     validate(q, k, v)
     if attn_mask is not None:
@@ -211,4 +226,4 @@ def checked_attention(q, k, v, *, causal: bool = False, scale: float | None = No
         if problem is not None:
             raise ValueError(f"checked attention cannot take {problem}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return CheckedAttentionFunction.apply(q, k, v, causal, scale, hooks, _flat_mask(attn_mask, q, k))
+    return CheckedAttentionFunction.apply(q, k, v, causal, scale, hooks, _flat_mask(attn_mask, q, k), float(dropout_p))
