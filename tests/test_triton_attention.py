@@ -231,3 +231,28 @@ def test_gqa_heads_are_read_in_place_and_unchecked_runs_compute_the_same():
     assert torch.equal(ta.forward(q, k, v, 0.25, True, heads=h, check=False).out, inplace.out)
     with pytest.raises(ValueError, match="pass `heads`"):
         ta.forward(q, k, v, 0.25, True)
+
+
+@pytest.mark.parametrize("kind", ["padding", "bias"])
+def test_attn_masks_match_the_reference_path(kind):
+    # A padding mask (0 / −inf, broadcast over heads: head stride 0) and a per-head additive bias:
+    # values, gradients and checks as on the reference path; a dq fault under the mask still seen.
+    n, s, d = 4, 40, 16
+    q, k, v, do = operands(n, s, s, d, torch.float32, seed=12)
+    if kind == "padding":
+        mask = torch.zeros(1, s, s, device=DEVICE)
+        mask[..., 30:] = float("-inf")  # the last 10 keys are padding for every query
+    else:
+        mask = torch.randn(n, s, s, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    want = ref.attention_forward(q, k, v, 0.25, False, mask=mask)
+    got = ta.forward(q, k, v, 0.25, False, mask=mask)
+    assert torch.allclose(got.out, want.out, atol=1e-5 * float(v.abs().max()), rtol=0)  # fp32, another order
+    wb = ref.attention_backward(q, k, v, want.out, want.lse, do, 0.25, False, mask=mask)
+    gb = ta.backward(q, k, v, got.out, got.lse, do, 0.25, False, mask=mask)
+    for name in ("dq", "dk", "dv"):
+        w = getattr(wb, name)
+        assert torch.allclose(getattr(gb, name), w, atol=4e-5 * float(w.abs().max()), rtol=0), name
+    assert torch.all(gb.values[0] <= ref.backward_bound(s, s))
+    hit = ta.backward(q, k, v, got.out, got.lse, do, 0.25, False, fault(2, "dq"), mask=mask)
+    row = BACKWARD_CHECKS.index("dq")
+    assert float(hit.values[row, 2]) > 1e3 * float(gb.values[row].max())

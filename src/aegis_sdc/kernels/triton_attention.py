@@ -96,6 +96,13 @@ def _operand(x, DT: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _mask_tile(mask_ptr, offs_m, offs_n, sm_q, Sq, Sk):
+    """[BM, BN] of an additive mask (SDPA's attn_mask, fp32, unit key stride); 0 outside the scores."""
+    inside = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]
+    return tl.load(mask_ptr + offs_m[:, None] * sm_q + offs_n[None, :], mask=inside, other=0.0)
+
+
+@triton.jit
 def _visible(offs_m, offs_n, Sq, Sk, CAUSAL: tl.constexpr):
     """[BM, BN]: key n exists and query m may see it (causal: n ≤ m + Sk − Sq)."""
     keep = (offs_n < Sk)[None, :] & (offs_m < Sq)[:, None]
@@ -113,11 +120,12 @@ def _block_max(diff, valid):
 @triton.jit
 def attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, check_ptr,  # check [N, q_blocks, FWD_CHECKS] fp32
+    mask_ptr, sm_n, sm_q,  # additive fp32 mask [N or 1, Sq, Sk] (HAS_MASK), its head and row strides
     sq_n, sq_s, sk_n, sk_s, sv_n, sv_s, so_n, so_s,
     Sq, Sk, scale, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
-    CAUSAL: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr,
-    UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
+    DT: tl.constexpr, UPCAST: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -138,6 +146,8 @@ def attention_fwd_kernel(
         k = _tile(k_ptr + kv_head * sk_n, offs_n, Sk, sk_s, D, UPCAST)
         v = _tile(v_ptr + kv_head * sv_n, offs_n, Sk, sv_s, D, UPCAST)
         s = tl.dot(q, tl.trans(k)) * scale
+        if HAS_MASK:
+            s += _mask_tile(mask_ptr + head * sm_n, offs_m, offs_n, sm_q, Sq, Sk)
         if STAGE == 0:
             s = _fault(s, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
         s = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), s, float("-inf"))
@@ -178,11 +188,12 @@ def attention_fwd_kernel(
 @triton.jit
 def attention_bwd_kv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, check_ptr,  # check [N, k_blocks, KV_CHECKS]
+    mask_ptr, sm_n, sm_q,
     sq_n, sq_s, sk_n, sk_s, sv_n, sv_s, sdo_n, sdo_s,
     Sq, Sk, scale, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
-    CAUSAL: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr,
-    UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
+    DT: tl.constexpr, UPCAST: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key block (dK unscaled until stored), with the dv and dk checks."""
@@ -208,6 +219,8 @@ def attention_bwd_kv_kernel(
         lse = tl.load(lse_ptr + head * Sq + offs_m, mask=offs_m < Sq, other=0.0)
         delta = tl.load(delta_ptr + head * Sq + offs_m, mask=offs_m < Sq, other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
+        if HAS_MASK:
+            s += _mask_tile(mask_ptr + head * sm_n, offs_m, offs_n, sm_q, Sq, Sk)
         if STAGE == 0:
             s = _fault(s, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
         p = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
@@ -254,11 +267,12 @@ def attention_bwd_kv_kernel(
 @triton.jit
 def attention_bwd_q_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dmag_ptr, dq_ptr, check_ptr,  # check [N, q_blocks, Q_CHECKS]
+    mask_ptr, sm_n, sm_q,
     sq_n, sq_s, sk_n, sk_s, sv_n, sv_s, sdo_n, sdo_s,
     Sq, Sk, scale, u_out, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
-    CAUSAL: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr,
-    UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
+    DT: tl.constexpr, UPCAST: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block, with the dp, ds and dq checks and the row sums of the recomputed P."""
@@ -290,6 +304,8 @@ def attention_bwd_q_kernel(
         k = _tile(k_ptr + kv_head * sk_n, offs_n, Sk, sk_s, D, UPCAST)
         v = _tile(v_ptr + kv_head * sv_n, offs_n, Sk, sv_s, D, UPCAST)
         s = tl.dot(q, tl.trans(k)) * scale
+        if HAS_MASK:
+            s += _mask_tile(mask_ptr + head * sm_n, offs_m, offs_n, sm_q, Sq, Sk)
         if STAGE == 0:
             s = _fault(s, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
         p = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
@@ -390,9 +406,18 @@ def _fault_args(fault: HeadFault | None, backward: bool, sq: int, sk: int, d: in
     return model, _STAGE_IDS[fault.stage], (fault.head, *corruption.element(*shape), delta, mask)
 
 
-def _reference_only(mask: torch.Tensor | None, drop: torch.Tensor | None) -> None:
-    if mask is not None or drop is not None:
-        raise ValueError("the Triton attention kernels take no attn_mask or dropout yet (the reference kernels do)")
+def _reference_only(drop: torch.Tensor | None) -> None:
+    if drop is not None:
+        raise ValueError("the Triton attention kernels take no dropout yet (the reference kernels do)")
+
+
+def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple:
+    """(pointer, head stride, row stride) of an additive mask [N or 1, Sq, Sk] (a stand-in when none)."""
+    if mask is None:
+        return (q, 0, 0)
+    if mask.dtype != torch.float32 or mask.dim() != 3 or mask.stride(-1) != 1:
+        raise ValueError("the Triton attention kernels take an fp32 mask [N or 1, Sq, Sk] with unit key stride")
+    return (mask, mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1))
 
 
 def _grouping(n: int, kv_heads_total: int, heads: int | None) -> tuple[int, int]:
@@ -421,9 +446,10 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
 
     k and v hold N or fewer heads: with `heads` query heads per batch and k [N·Hkv/heads, Sk, D], query
     head h of a batch reads key/value head h // (heads / Hkv) in place (GQA without an expanded copy).
-    `check=False` runs the same kernel without its checks (values empty: benchmarks). No `mask` or
-    `drop` yet (the op runs such calls on the reference kernels)."""
-    _reference_only(mask, drop)
+    `check=False` runs the same kernel without its checks (values empty: benchmarks). `mask`: an
+    additive fp32 mask [N or 1, Sq, Sk] (not with `causal`); no `drop` yet (the op runs such calls on
+    the reference kernels)."""
+    _reference_only(drop)
     n, sq, d = q.shape
     heads, group = _grouping(n, k.shape[0], heads)
     sk = k.shape[1]
@@ -434,9 +460,10 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
     checks = torch.empty(n, q_blocks, FWD_CHECKS, dtype=torch.float32, device=q.device)
     model, stage, fargs = _fault_args(fault, False, sq, sk, d)
     attention_fwd_kernel[(q_blocks, n)](
-        q, k, v, out, lse, checks, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        q, k, v, out, lse, checks, *_mask_args(mask, q), *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         sq, sk, float(scale), heads, group, *fargs,
-        CAUSAL=causal, CHECK=check, MODEL=model, STAGE=stage, DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET,
+        CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage, DT=_TL_DTYPES[q.dtype],
+        UPCAST=INTERPRET,
         D=d, BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not check:
@@ -449,8 +476,8 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
              check: bool = True) -> Backward:  # fmt: skip
     """The checked backward of flattened heads: dq, dk, dv fp32 (per query head: a GQA group's sum
     is the caller's), values [len(BACKWARD_CHECKS), N] fp64 and raw_l2 [N] (‖1ᵀdV − (1ᵀPᵀ)·dO‖₂) on
-    the device. `heads` and `check` as for `forward`."""
-    _reference_only(mask, drop)
+    the device. `heads`, `mask` and `check` as for `forward`."""
+    _reference_only(drop)
     n, sq, d = q.shape
     heads, group = _grouping(n, k.shape[0], heads)
     sk = k.shape[1]
@@ -466,33 +493,18 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
     kv_check = torch.empty(n, k_blocks, KV_CHECKS, dtype=torch.float32, device=q.device)
     q_check = torch.empty(n, q_blocks, Q_CHECKS, dtype=torch.float32, device=q.device)
     model, stage, fargs = _fault_args(fault, True, sq, sk, d)
-    common = dict(CAUSAL=causal, CHECK=check, MODEL=model, STAGE=stage, DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d,
-                  BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
-    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+    common = dict(CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage,
+                  DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d, BM=cfg.block_m, BN=cfg.block_n,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
+    operands = (*_mask_args(mask, q), *_strides(q), *_strides(k), *_strides(v), *_strides(do))
     attention_bwd_kv_kernel[(k_blocks, n)](
-        q, k, v, do, lse, delta, dk, dv, kv_check, *strides, sq, sk, float(scale), heads, group, *fargs, **common
-    )
+        q, k, v, do, lse, delta, dk, dv, kv_check, *operands, sq, sk, float(scale), heads, group, *fargs, **common
+    )  # fmt: skip
     u_out = torch.finfo(out.dtype).eps / 2
     attention_bwd_q_kernel[(q_blocks, n)](
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dmag,
-        dq,
-        q_check,
-        *strides,
-        sq,
-        sk,
-        float(scale),
-        u_out,
-        heads,
-        group,
-        *fargs,
+        q, k, v, do, lse, delta, dmag, dq, q_check, *operands, sq, sk, float(scale), u_out, heads, group, *fargs,
         **common,
-    )
+    )  # fmt: skip
     if not check:
         return Backward(dq, dk, dv, torch.empty(0), torch.empty(0))
     kv, qc = kv_check.double(), q_check.double()

@@ -37,10 +37,9 @@ TRITON_ON_CUDA = False
 
 def kernels_for(q: torch.Tensor, mask: torch.Tensor | None = None, drop: torch.Tensor | None = None) -> tuple[Any, Any]:
     """(forward, backward) for flattened operands like q: the Triton kernels for CUDA operands they
-    take (with `TRITON_ON_CUDA`; no attn_mask or dropout yet), else the reference path. A call's bits
-    depend on the choice, so replays make it again from the same operands."""
-    plain = mask is None and drop is None
-    if TRITON_ON_CUDA and plain and q.is_cuda and triton_attention.supported(q, q) is None:
+    take (with `TRITON_ON_CUDA`; no dropout yet), else the reference path. A call's bits depend on the
+    choice, so replays make it again from the same operands."""
+    if TRITON_ON_CUDA and drop is None and q.is_cuda and triton_attention.supported(q, q) is None:
         return triton_attention.forward, triton_attention.backward
     return attention_forward, attention_backward
 
