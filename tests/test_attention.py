@@ -292,25 +292,13 @@ def _padded_training(model, optimizer, steps: int) -> None:
         optimizer.step()
 
 
-def test_a_padded_batch_is_checked_and_a_fault_in_it_confirmed(tmp_path):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_padded_batch_is_checked_and_a_fault_in_it_confirmed(tmp_path, dropout):
+    # A padded batch, with attention dropout (p = 0.1) or without: every call checked (under dropout
+    # dv is P_dᵀ·dO's column check plus P's rows), no false alarm over the clean steps, a dq fault
+    # confirmed — the replay redraws nothing (the call's dropout mask is kept with its context).
     torch.manual_seed(0)
-    model = PaddedAttention()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fault = aegis.FaultSpec(site="<root>:attn_bwd", model="bitflip", bit=27, stage="dq", steps=(20,), row=5, col=3)
-    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(fault,)))
-    _padded_training(model, optimizer, 24)
-    summary = guard.close()
-    assert summary.attention_checks == 24 * 2
-    assert [(i.step, i.site.name) for i in guard.incidents] == [(20, "<root>:attn_bwd")]
-    assert summary.false_alarms == 0
-
-
-def test_attention_dropout_is_checked_and_a_fault_under_it_confirmed(tmp_path):
-    # Dropout (p = 0.1) in training: every call checked (dv as P_dᵀ·dO's column check plus P's rows),
-    # no false alarm over the clean steps, a dq fault confirmed — the replay redraws nothing (the
-    # call's dropout mask is kept with its context).
-    torch.manual_seed(0)
-    model = PaddedAttention(dropout=0.1)
+    model = PaddedAttention(dropout=dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fault = aegis.FaultSpec(site="<root>:attn_bwd", model="bitflip", bit=27, stage="dq", steps=(20,), row=5, col=3)
     guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(fault,)))

@@ -118,6 +118,39 @@ def _block_max(diff, valid):
 
 
 @triton.jit
+def _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale,
+            fault_head, fault_row, fault_col, fault_delta, fault_mask,
+            HAS_MASK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr):  # fmt: skip
+    """The scaled scores q·kᵀ of one tile [BM, BN] with the additive mask (and a `qk` fault)."""
+    s = tl.dot(q, tl.trans(k)) * scale
+    if HAS_MASK:
+        s += _mask_tile(mask_ptr + head * sm_n, offs_m, offs_n, sm_q, Sq, Sk)
+    if STAGE == 0:
+        s = _fault(s, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+    return s
+
+
+@triton.jit
+def _backward_tile(q, k, v, do, lse, delta, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale,
+                   fault_head, fault_row, fault_col, fault_delta, fault_mask, CAUSAL: tl.constexpr,
+                   HAS_MASK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr):  # fmt: skip
+    """What both backward kernels recompute for one tile: P from the scores and the saved lse,
+    dP = dO·Vᵀ and dS = P ∘ (dP − D), each with its stage's fault where asked."""
+    s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale,
+                fault_head, fault_row, fault_col, fault_delta, fault_mask, HAS_MASK, MODEL, STAGE)  # fmt: skip
+    p = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
+    if STAGE == 1:
+        p = _fault(p, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+    dp = tl.dot(do, tl.trans(v))
+    if STAGE == 3:
+        dp = _fault(dp, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+    ds = p * (dp - delta[:, None])
+    if STAGE == 4:
+        ds = _fault(ds, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+    return p, dp, ds
+
+
+@triton.jit
 def attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, check_ptr,  # check [N, q_blocks, FWD_CHECKS] fp32
     mask_ptr, sm_n, sm_q,  # additive fp32 mask [N or 1, Sq, Sk] (HAS_MASK), its head and row strides
@@ -145,11 +178,8 @@ def attention_fwd_kernel(
         offs_n = start_n + tl.arange(0, BN)
         k = _tile(k_ptr + kv_head * sk_n, offs_n, Sk, sk_s, D, UPCAST)
         v = _tile(v_ptr + kv_head * sv_n, offs_n, Sk, sv_s, D, UPCAST)
-        s = tl.dot(q, tl.trans(k)) * scale
-        if HAS_MASK:
-            s += _mask_tile(mask_ptr + head * sm_n, offs_m, offs_n, sm_q, Sq, Sk)
-        if STAGE == 0:
-            s = _fault(s, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+        s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale,
+                    fault_head, fault_row, fault_col, fault_delta, fault_mask, HAS_MASK, MODEL, STAGE)  # fmt: skip
         s = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key seen yet
@@ -218,14 +248,9 @@ def attention_bwd_kv_kernel(
         do = _tile(do_ptr + head * sdo_n, offs_m, Sq, sdo_s, D, UPCAST)
         lse = tl.load(lse_ptr + head * Sq + offs_m, mask=offs_m < Sq, other=0.0)
         delta = tl.load(delta_ptr + head * Sq + offs_m, mask=offs_m < Sq, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        if HAS_MASK:
-            s += _mask_tile(mask_ptr + head * sm_n, offs_m, offs_n, sm_q, Sq, Sk)
-        if STAGE == 0:
-            s = _fault(s, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
-        p = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
-        if STAGE == 1:
-            p = _fault(p, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+        p, _, ds = _backward_tile(q, k, v, do, lse, delta, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk,
+                                   scale, fault_head, fault_row, fault_col, fault_delta, fault_mask, CAUSAL,
+                                   HAS_MASK, MODEL, STAGE)  # fmt: skip
         p_op = _operand(p, DT, UPCAST)
         dv += tl.dot(tl.trans(p_op), do)
         if CHECK:
@@ -233,12 +258,6 @@ def attention_bwd_kv_kernel(
             dof = do.to(tl.float32)
             dv_ref += tl.sum(p_rows[:, None] * dof, axis=0)
             dv_abs += tl.sum(p_rows[:, None] * tl.abs(dof), axis=0)
-        dp = tl.dot(do, tl.trans(v))
-        if STAGE == 3:
-            dp = _fault(dp, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
-        ds = p * (dp - delta[:, None])
-        if STAGE == 4:
-            ds = _fault(ds, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
         ds_op = _operand(ds, DT, UPCAST)
         dk += tl.dot(tl.trans(ds_op), q)
         if CHECK:
@@ -303,26 +322,14 @@ def attention_bwd_q_kernel(
         offs_n = start_n + tl.arange(0, BN)
         k = _tile(k_ptr + kv_head * sk_n, offs_n, Sk, sk_s, D, UPCAST)
         v = _tile(v_ptr + kv_head * sv_n, offs_n, Sk, sv_s, D, UPCAST)
-        s = tl.dot(q, tl.trans(k)) * scale
-        if HAS_MASK:
-            s += _mask_tile(mask_ptr + head * sm_n, offs_m, offs_n, sm_q, Sq, Sk)
-        if STAGE == 0:
-            s = _fault(s, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
-        p = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
-        if STAGE == 1:
-            p = _fault(p, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+        p, dp, ds = _backward_tile(q, k, v, do, lse, delta, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk,
+                                   scale, fault_head, fault_row, fault_col, fault_delta, fault_mask, CAUSAL,
+                                   HAS_MASK, MODEL, STAGE)  # fmt: skip
         if CHECK:
             p_sum += tl.sum(p, axis=1)
-        dp = tl.dot(do, tl.trans(v))
-        if STAGE == 3:
-            dp = _fault(dp, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
-        if CHECK:
             dp_sum += tl.sum(dp, axis=1)
             dp_sq += tl.sum(dp * dp, axis=1)
             dp_ref += tl.sum(dof * tl.sum(v.to(tl.float32), axis=0)[None, :], axis=1)
-        ds = p * (dp - delta[:, None])
-        if STAGE == 4:
-            ds = _fault(ds, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
         ds_op = _operand(ds, DT, UPCAST)
         dq += tl.dot(ds_op, k)
         if CHECK:
