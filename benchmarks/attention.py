@@ -16,12 +16,19 @@ negligible). Ratios are the default backend's time ÷ ours (1 = parity); `median
 checked ÷ unchecked − 1 of our own kernels.
 
     python benchmarks/attention.py [--out benchmarks/results/attention.json] [--smoke]
+    python benchmarks/attention.py --tune [--out ...]   choose the kernels' blocks (coordinate search)
+
+`--tune` times candidate blocks for each kernel at 4 × 2048 and 1 × 8192, causal and full, checked:
+the forward first, then the dK/dV kernel with the dQ kernel fixed, then the dQ kernel; the sum of
+medians over the four cases decides. The chosen blocks go into `GPU_CONFIG` by hand (a replay must
+use the blocks of the original call, so they are a table, never tuned at run time).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -53,7 +60,7 @@ def sdpa_times(q, k, v, do, causal: bool, backend) -> tuple[float | None, float 
         return None, None
 
 
-def our_times(q, k, v, do, causal: bool, check: bool) -> tuple[float, float]:
+def our_times(q, k, v, do, causal: bool, check: bool, forward_only: bool = False) -> tuple[float, float]:
     b, h, s, d = q.shape
     hkv = k.shape[1]
     qf, kf, vf, dof = (t.reshape(-1, s, d) for t in (q, k, v, do))
@@ -66,7 +73,8 @@ def our_times(q, k, v, do, causal: bool, check: bool) -> tuple[float, float]:
         dv = g.dv.reshape(b, hkv, h // hkv, s, d).sum(dim=2).to(v.dtype)
         return g.dq.to(q.dtype), dk, dv
 
-    return (do_bench(lambda: ta.forward(qf, kf, vf, scale, causal, heads=h, check=check)), do_bench(backward))
+    fwd_ms = do_bench(lambda: ta.forward(qf, kf, vf, scale, causal, heads=h, check=check))
+    return fwd_ms, (float("nan") if forward_only else do_bench(backward))
 
 
 def flops(b: int, s: int, causal: bool) -> tuple[float, float]:
@@ -75,12 +83,58 @@ def flops(b: int, s: int, causal: bool) -> tuple[float, float]:
     return 2 * per_gemm, 5 * per_gemm
 
 
+# (block_m, block_n, num_warps, num_stages) tried per kernel by --tune
+FWD_CANDIDATES = [ta.Blocks(*b) for b in (
+    (64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3),
+    (128, 64, 8, 2), (64, 64, 4, 3))]  # fmt: skip
+KV_CANDIDATES = [ta.Blocks(*b) for b in (
+    (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 2), (32, 128, 8, 2),
+    (16, 64, 4, 3), (64, 64, 8, 3))]  # fmt: skip
+Q_CANDIDATES = [ta.Blocks(*b) for b in (
+    (64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3),
+    (128, 128, 8, 2))]  # fmt: skip
+
+
+def tune(out: Path) -> None:
+    """Coordinate search over the candidates above (see the module docstring)."""
+    cases = []
+    for b, s in ((4, 2048), (1, 8192)):
+        q = torch.randn(b, HEADS, s, DIM, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, KV_HEADS, s, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        cases += [(q, k, v, torch.randn_like(q), causal) for causal in (True, False)]
+    rows = []
+    started = time.time()
+
+    def total(kind: str, config: ta.AttentionConfig) -> float:
+        ta.GPU_CONFIG = config
+        times = []
+        for q, k, v, do, causal in cases:
+            try:
+                fwd, bwd = our_times(q, k, v, do, causal, True, forward_only=kind == "fwd")
+            except Exception as error:  # a candidate that does not compile (e.g. out of shared memory)
+                print(f"  {kind} {config}: {str(error).splitlines()[0][:120]}", flush=True)
+                return float("inf")
+            times.append(fwd if kind == "fwd" else bwd)
+        rows.append({"kernel": kind, "config": dataclasses.asdict(config), "ms": times, "total_ms": sum(times)})
+        print(f"{kind:3s} {getattr(config, kind)} total {sum(times):.3f} ms {[round(t, 3) for t in times]}", flush=True)
+        return sum(times)
+
+    best = ta.GPU_CONFIG
+    for kind, candidates in (("fwd", FWD_CANDIDATES), ("kv", KV_CANDIDATES), ("q", Q_CANDIDATES)):
+        best = min((dataclasses.replace(best, **{kind: c}) for c in candidates), key=lambda cfg: total(kind, cfg))
+    summary = {"chosen": dataclasses.asdict(best)}
+    write_result(out, gpu_environment(seconds=round(time.time() - started, 1)), rows, summary)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "attention.json")
     parser.add_argument("--smoke", action="store_true", help="one tiny case (checks the script on a GPU quickly)")
+    parser.add_argument("--tune", action="store_true", help="choose the kernels' blocks instead (see above)")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.tune:
+        return tune(args.out)
     rows = []
     splits = ((1, 256),) if args.smoke else SPLITS
     started = time.time()
@@ -131,7 +185,7 @@ def main() -> None:
         and summary["median_bwd_ratio_default"] >= TARGETS["median_bwd_ratio_default"]
         and summary["median_invariant_cost"] <= TARGETS["median_invariant_cost"]
     )
-    env = gpu_environment(seconds=round(time.time() - started, 1), config=ta.config_for(DIM).__dict__)
+    env = gpu_environment(seconds=round(time.time() - started, 1), config=dataclasses.asdict(ta.config_for(DIM)))
     write_result(args.out, env, rows, summary)
 
 

@@ -5,8 +5,9 @@
 #   tune          choose the configuration per shape class (benchmarks/gemm_tune.py → results/gemm_tune.json)
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
 #   sensitivity   detection at r = 1 and false alarms at three shape classes (results/sensitivity.json)
-#   attention     the attention kernels' GPU tests, speed against SDPA (results/attention.json) and
-#                 sensitivity per stage (results/sensitivity_attention_triton.json)
+#   attention     the attention kernels' GPU tests and speed against SDPA (results/attention.json)
+#   attention-tune         the attention kernels' blocks (results/attention_tune.json)
+#   attention-sensitivity  detection per stage and check, false alarms (results/sensitivity_attention_triton.json)
 #   tests         every GPU-marked test
 #   e2e-eager | e2e-compiled | e2e-own   the end-to-end step record (results/e2e_step.json)
 # Writes logs and results under $OUT (the device's output folder) or ./gpu-out.
@@ -39,12 +40,18 @@ case "${1:-tests}" in
   sensitivity)
     timeout 570 python benchmarks/sensitivity.py --out "$out/sensitivity.json" 2>&1 | tee "$out/sensitivity.log" ;;
   attention)
-    timeout 200 python -m pytest -q -m gpu tests/test_triton_attention.py -p no:cacheprovider 2>&1 \
-      | tee "$out/attention_tests.log" | tail -15
-    timeout 200 python benchmarks/attention.py --out benchmarks/results/attention.json 2>&1 | tee "$out/attention.log"
-    cp benchmarks/results/attention.json "$out/" 2>/dev/null
-    timeout 180 python benchmarks/sensitivity_attention.py --kernels triton --heads 8 --seq 512 --dim 128 \
-      --out "$out/sensitivity_attention_triton.json" 2>&1 | tail -3 ;;
+    timeout 170 python -m pytest -q -m gpu tests/test_triton_attention.py tests/test_attention.py -p no:cacheprovider \
+      2>&1 | tee "$out/attention_tests.log" | tail -15
+    timeout 150 python benchmarks/attention.py --out benchmarks/results/attention.json 2>&1 | tee "$out/attention.log"
+    cp benchmarks/results/attention.json "$out/" 2>/dev/null ;;
+  attention-tune)
+    timeout 330 python benchmarks/attention.py --tune --out benchmarks/results/attention_tune.json 2>&1 \
+      | tee "$out/attention_tune.log" | tail -30
+    cp benchmarks/results/attention_tune.json "$out/" 2>/dev/null ;;
+  attention-sensitivity)
+    timeout 330 python benchmarks/sensitivity_attention.py --kernels triton --heads 8 --seq 512 --dim 128 \
+      --clean-calls 2000 --out benchmarks/results/sensitivity_attention_triton.json 2>&1 | tail -3
+    cp benchmarks/results/sensitivity_attention_triton.json "$out/" 2>/dev/null ;;
   tests)
     timeout 560 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
   e2e-eager)
@@ -59,5 +66,5 @@ case "${1:-tests}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|diagnose|tune|attention|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|diagnose|tune|attention|attention-tune|attention-sensitivity|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

@@ -6,8 +6,9 @@ For every fault stage and the check that claims it — forward `pv` (O·1 agains
 1. calibrate as the guard does: threshold = 4 × the median of the first 16 clean values of the
    normalized statistic (the largest over the heads of a call);
 2. m = the median over ≥ 500 clean calls of the check's raw difference ‖·‖₂ of one head;
-3. add ±r·m to one random element of the stage's matrix in one random head, 100 repeats per r; a
-   fault is detected when the call's statistic exceeds the threshold;
+3. add ±r·m to one random element of the stage's matrix in one random head (a score-shaped matrix:
+   an element the causal mask leaves visible), 100 repeats per r; a fault is detected when the
+   call's statistic exceeds the threshold;
 4. count false alarms over the clean calls (every check of every clean call).
 
     python benchmarks/sensitivity_attention.py [--kernels reference|triton] [--dtype fp32|bf16]
@@ -77,7 +78,10 @@ def study(kernels, pass_: str, stage: str, check: str, shape, device: str, dtype
         hits = 0
         for _ in range(repeats):
             delta = rng.choice((-1.0, 1.0)) * r * m
-            fault = AccumulatorFault("perturb", 0, delta, rng.randrange(rows), rng.randrange(cols), 0.0, 0.0)
+            row = rng.randrange(rows)
+            # a score-shaped element the causal mask hides is never computed (or weighs 0): draw visible ones
+            col = rng.randrange(row + 1) if (rows, cols) == (s, s) else rng.randrange(cols)
+            fault = AccumulatorFault("perturb", 0, delta, row, col, 0.0, 0.0)
             value, _, _ = call(kernels, pass_, check, shape, device, dtype, HeadFault(rng.randrange(n), stage, fault))
             hits += value > threshold
         rates[str(r)] = hits / repeats

@@ -1,29 +1,41 @@
 """Checked FlashAttention in Triton: forward and backward with their invariants from the fp32 accumulators.
 
 Heads are flattened as on the reference path (kernels/attention_reference.py): q [N, Sq, D], k and v
-[N, Sk, D] (N = batch · query heads, GQA expanded by the op), scale c, optional causal mask with the
-queries aligned to the end of the keys (SDPA's convention). Every program owns one block of rows of
+[N or fewer, Sk, D] (GQA read in place), scale c, optional causal mask with the queries aligned to
+the end of the keys (SDPA's convention) or an additive mask. Every program owns one block of rows of
 one head and reduces its K dimension in one fixed order: no atomics, so a call replays bit for bit.
 
-    forward   one program per (query block, head): the online softmax over key blocks, p rounded to
-              the operand dtype for the P·V MMA (as FlashAttention does). Check: O_acc·1 against
-              p·(V·1), both rescaled by the same factors as the running maximum moves — the reference
-              side is taken from the rounded p the MMA multiplied, so it checks the MMA and the
-              rescaling, scaled by u·sqrt(Σ_k p²‖V_k‖²) (the GEMM check's scale).
-    backward  D = rowsum(dO ⊙ O) first (a torch reduction), then two kernels:
+Speed. Scores are kept in base 2 (c·log₂e folded into one multiply, `exp2`); a causal program runs its
+key (or query) blocks in two loops, the blocks every row sees without any mask and the diagonal band
+with it; operands whose lengths are block multiples (`EVEN`) load without bounds masks; the dK/dV
+kernel works on transposed tiles (Sᵀ = K·Qᵀ) so that no register tile is transposed.
+
+Checks. Each reference side is a narrow MMA on the tensor cores against a side operand W [rows, 16]
+made once per call by `attention_sums_kernel`: columns 0–2 the hi/mid/lo parts of x·1 (three parts in
+the operand dtype carry fp32's 24 bits), column 3 ‖x‖² (times 2⁻⁸ for fp16, whose range is short).
+The MMA multiplies the same rounded operand the main MMA multiplies and accumulates in fp32, so the
+row sum of an accumulator and its reference side differ by rounding only. No per-tile reduction
+across threads; what is left per tile is a row sum or two in the dQ kernel.
+
+    forward   O_acc·1 against p·(V·1) (W of V), rescaled with the accumulator as the running maximum
+              moves; scale u·sqrt(Σ_k p_qk ‖V_k‖²) (≥ the GEMM check's sqrt(Σ p² ‖V‖²), p ≤ 1).
+    backward  D = rowsum(dO ⊙ O) in the side pass of dO, then two kernels:
       dk/dv   one program per (key block, head), looping over query blocks: dV = Pᵀ·dO and
-              dK = c·dSᵀ·q. Checks: dv — dV's column sums over the block's keys against
-              (1ᵀPᵀ)·dO = Σ_q (Σ_k p_qk) dO_q, the GEMM column check of the P·dO MMA, scaled by
-              u·Σ_q (Σ_k p_qk) |dO_qd|; dk — dK's row sums against dSᵀ·(Q·1), scaled by u·‖dK_k‖.
+              dK = c·dSᵀ·q. Checks: dv — dV's row sums against Pᵀ·(dO·1), scale
+              u·sqrt(Σ_q P_qk ‖dO_q‖²); dk — dK's row sums against dSᵀ·(Q·1), scale u·‖dK_k‖.
       dq      one program per (query block, head), looping over key blocks: dP = dO·Vᵀ,
-              dS = P ⊙ (dP − D), dQ = c·dS·k. Checks: dp — dP's row sums against dO·(Vᵀ·1), scaled by
-              u·‖dP_q‖; ds — the softmax-backward identity Σ_k dS_qk = 0, scaled by
-              u·Σ_k|dS_qk| + u_O·Σ_d|dO_qd O_qd| (D is taken from the rounded O); dq — dQ's row
-              sums against dS·(K·1), scaled by u·‖dQ_q‖; and the rows of the recomputed P, which sum
-              to 1 within (Sk + 3)·u when the scores and the saved lse agree (a wrong score, exponent
-              or saved lse breaks them).
+              dS = P ⊙ (dP − D), dQ = c·dS·k. Checks: dp — dP's row sums against dO_q·Σ_k V_k
+              (column sums of V per key block, summed over the blocks visited), scale
+              u·‖dO_q‖·sqrt(Σ_k ‖V_k‖²) (Cauchy–Schwarz bound of sqrt(Σ_k dP²)); ds — the
+              softmax-backward identity Σ_k dS_qk = 0, scale u·(‖dO_q‖·max_k ‖V_k‖ + |D_q|) +
+              u_O·Σ_d |dO_qd O_qd| (a bound of u·Σ_k |dS_qk| plus the rounding of O, from which D is
+              taken); dq — dQ's row sums against dS·(K·1), scale u·‖dQ_q‖; and the rows of the
+              recomputed P, which sum to 1 within (Sk + 3)·u when the scores and the saved lse agree.
+    Every scale has the floor u·Σ_d |acc_qd| (the rounding of the check's own sum over the row), so
+    an underflowed fp16 ‖x‖² never makes a clean row look wrong.
     The backward values keep the reference path's five checks (`BACKWARD_CHECKS`): `dv` is the
-    larger of dV's column check and P's row sums (the two things the reference path's `dv` covers).
+    larger of dV's row check and P's row sums. A fault in dP moves Σ_k dS_qk by P_qk times itself —
+    exactly the part of it that reaches dQ and dK — so `ds` sees every dP fault that changes a gradient.
 
 Each program writes the largest normalized difference of its block per check and the Σ of its squared
 raw differences (their root over a head is the AEGIS unit of fault size); the launcher reduces blocks to one
@@ -32,6 +44,7 @@ are upcast after loading (bf16 arithmetic is wrong in the interpreter), as in ke
 
 Fault stages (constexpr STAGE, as `attention_reference.STAGES`): qk, softmax, pv (O's accumulator in
 forward, dV's in backward), dp, ds, dq, dk — one element (head, row, col) perturbed or bit-flipped.
+A score (`qk`) is faulted in base-2 units: a perturbation δ of the natural score is δ·log₂e.
 """
 
 from __future__ import annotations
@@ -47,7 +60,9 @@ from aegis_sdc.kernels.attention_reference import BACKWARD_CHECKS, STAGES, Backw
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 U32 = tl.constexpr(2.0**-24)
 TINY = tl.constexpr(1e-30)
+LOG2E = 1.4426950408889634
 NO_STAGE = -1
+SIDE = 16  # columns of a side operand W: hi, mid, lo of x·1, ‖x‖², zeros (an MMA needs 16)
 # check columns of the per-block outputs
 FWD_CHECKS = 2  # normalized max, Σ raw²
 KV_CHECKS = 4  # dv, dk normalized maxima; dv, dk Σ raw²
@@ -57,7 +72,8 @@ Q_CHECKS = 7  # dp, ds, dq, P's row sums normalized maxima; dp, ds, dq Σ raw²
 @triton.jit
 def _fault(x, rows, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL: tl.constexpr):
     """x [R, C] with element (fault_row, fault_col) of head `fault_head` corrupted (MODEL 1: + delta,
-    2: bits XOR mask); `rows`, `cols` are the tile's global indices."""
+    2: bits XOR mask); `rows`, `cols` are the tile's global indices (a transposed tile passes its
+    keys as `rows` and the fault's column as `fault_row`)."""
     hit = (rows == fault_row)[:, None] & (cols == fault_col)[None, :] & (head == fault_head)
     if MODEL == 1:
         return tl.where(hit, x + fault_delta, x)
@@ -66,11 +82,50 @@ def _fault(x, rows, cols, head, fault_head, fault_row, fault_col, fault_delta, f
 
 
 @triton.jit
-def _tile(ptr, rows, n_rows, stride, D: tl.constexpr, UPCAST: tl.constexpr):
-    """Rows `rows` [R] of a [rows, D] matrix (rows past n_rows are zero)."""
+def _tile(ptr, rows, n_rows, stride, D: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows `rows` [R] of a [rows, D] matrix (rows past n_rows are zero unless EVEN: none are)."""
     cols = tl.arange(0, D)
-    t = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=(rows < n_rows)[:, None], other=0.0)
+    if EVEN:
+        t = tl.load(ptr + rows[:, None] * stride + cols[None, :])
+    else:
+        t = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=(rows < n_rows)[:, None], other=0.0)
     return t.to(tl.float32) if UPCAST else t
+
+
+@triton.jit
+def _tile_t(ptr, rows, n_rows, stride, D: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr):
+    """The transpose [D, R] of rows `rows` of a [rows, D] matrix, loaded as such (an MMA operand)."""
+    cols = tl.arange(0, D)
+    if EVEN:
+        t = tl.load(ptr + rows[None, :] * stride + cols[:, None])
+    else:
+        t = tl.load(ptr + rows[None, :] * stride + cols[:, None], mask=(rows < n_rows)[None, :], other=0.0)
+    return t.to(tl.float32) if UPCAST else t
+
+
+@triton.jit
+def _side(ptr, rows, n_rows, EVEN: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows `rows` of a side operand W [rows, SIDE] (see the module docstring)."""
+    cols = tl.arange(0, 16)
+    if EVEN:
+        w = tl.load(ptr + rows[:, None] * 16 + cols[None, :])
+    else:
+        w = tl.load(ptr + rows[:, None] * 16 + cols[None, :], mask=(rows < n_rows)[:, None], other=0.0)
+    return w.to(tl.float32) if UPCAST else w
+
+
+@triton.jit
+def _vector(ptr, rows, n_rows, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptr + rows)
+    return tl.load(ptr + rows, mask=rows < n_rows, other=0.0)
+
+
+@triton.jit
+def _side_sums(acc_side):
+    """(reference side, scale²) from a side accumulator [R, SIDE]: columns 0–2 summed, column 3."""
+    cols = tl.arange(0, 16)[None, :]
+    return tl.sum(tl.where(cols < 3, acc_side, 0.0), axis=1), tl.sum(tl.where(cols == 3, acc_side, 0.0), axis=1)
 
 
 @triton.jit
@@ -81,11 +136,12 @@ def _kv_head(head, heads, group):
 
 
 @triton.jit
-def _normalized(raw, sum_sq):
-    """|raw| / (u·sqrt(sum_sq)), a GEMM check's difference; a sum of squares that overflowed fp32
-    (|values| ≳ 10¹⁹) counts as non-finite (an infinite difference), as in kernels/gemm_evidence.py."""
-    diff = tl.abs(raw) / tl.maximum(U32 * tl.sqrt(sum_sq), TINY)
-    return tl.where(sum_sq == float("inf"), float("inf"), diff)
+def _normalized(raw, scale):
+    """|raw| / (u·scale), a check's normalized difference; an infinite scale (a sum of squares that
+    overflowed, |values| ≳ 10¹⁹) counts as non-finite (an infinite difference), as in
+    kernels/gemm_evidence.py, and NaN as infinite (`_block_max`)."""
+    diff = tl.abs(raw) / tl.maximum(U32 * scale, TINY)
+    return tl.where(scale == float("inf"), float("inf"), diff)
 
 
 @triton.jit
@@ -93,13 +149,6 @@ def _operand(x, DT: tl.constexpr, UPCAST: tl.constexpr):
     """x [R, C] fp32 rounded to the operand dtype for an MMA (upcast again under the interpreter)."""
     rounded = x.to(DT)
     return rounded.to(tl.float32) if UPCAST else rounded
-
-
-@triton.jit
-def _mask_tile(mask_ptr, offs_m, offs_n, sm_q, Sq, Sk):
-    """[BM, BN] of an additive mask (SDPA's attn_mask, fp32, unit key stride); 0 outside the scores."""
-    inside = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]
-    return tl.load(mask_ptr + offs_m[:, None] * sm_q + offs_n[None, :], mask=inside, other=0.0)
 
 
 @triton.jit
@@ -118,92 +167,148 @@ def _block_max(diff, valid):
 
 
 @triton.jit
-def _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale,
+def _clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.jit
+def attention_sums_kernel(
+    x_ptr, o_ptr, w_ptr, colsum_ptr, colsq_ptr, colmax_ptr, delta_ptr, dmag_ptr,
+    sx_n, sx_s, so_n, so_s, S, sq_scale,
+    WITH_COLS: tl.constexpr, WITH_O: tl.constexpr, DT: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One pass over rows [BLOCK] of head n of x [N, S, D]: the side operand W [N, S, SIDE] in the
+    operand dtype; with WITH_COLS the block's column sums [N, blocks, D], Σ‖x‖² and max ‖x‖²
+    [N, blocks] (fp32); with WITH_O (x = dO, o = O) D = Σ_d x·o and Σ_d |x·o| [N, S] (fp32)."""
+    pid = tl.program_id(0)
+    n = tl.program_id(1)
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < S
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + n * sx_n + rows[:, None] * sx_s + cols[None, :], mask=valid[:, None], other=0.0)
+    x = x.to(tl.float32)
+    total = tl.sum(x, axis=1)
+    sq = tl.sum(x * x, axis=1)
+    hi = total.to(DT).to(tl.float32)
+    mid = (total - hi).to(DT).to(tl.float32)
+    lo = (total - hi - mid).to(DT).to(tl.float32)
+    c = tl.arange(0, 16)[None, :]
+    w = tl.where(c == 0, hi[:, None], tl.where(c == 1, mid[:, None], tl.where(c == 2, lo[:, None], 0.0)))
+    w = tl.where(c == 3, (sq * sq_scale)[:, None], w)
+    tl.store(w_ptr + (n * S + rows[:, None]) * 16 + c, w.to(DT), mask=valid[:, None])
+    if WITH_COLS:
+        slot = n * tl.num_programs(0) + pid
+        tl.store(colsum_ptr + slot * D + cols, tl.sum(x, axis=0))
+        tl.store(colsq_ptr + slot, tl.sum(sq, axis=0))
+        tl.store(colmax_ptr + slot, tl.max(sq, axis=0))
+    if WITH_O:
+        o = tl.load(o_ptr + n * so_n + rows[:, None] * so_s + cols[None, :], mask=valid[:, None], other=0.0)
+        prod = x * o.to(tl.float32)
+        tl.store(delta_ptr + n * S + rows, tl.sum(prod, axis=1), mask=valid)
+        tl.store(dmag_ptr + n * S + rows, tl.sum(tl.abs(prod), axis=1), mask=valid)
+
+
+@triton.jit
+def _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2,
             fault_head, fault_row, fault_col, fault_delta, fault_mask,
             HAS_MASK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr):  # fmt: skip
-    """The scaled scores q·kᵀ of one tile [BM, BN] with the additive mask (and a `qk` fault)."""
-    s = tl.dot(q, tl.trans(k)) * scale
+    """The scores of one tile [BM, BN] in base 2: (c·q·kᵀ + mask)·log₂e (and a `qk` fault)."""
+    s = tl.dot(q, tl.trans(k)) * scale2
     if HAS_MASK:
-        s += _mask_tile(mask_ptr + head * sm_n, offs_m, offs_n, sm_q, Sq, Sk)
+        inside = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]
+        bias = tl.load(mask_ptr + head * sm_n + offs_m[:, None] * sm_q + offs_n[None, :], mask=inside, other=0.0)
+        s += bias * 1.4426950408889634
     if STAGE == 0:
         s = _fault(s, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
     return s
 
 
 @triton.jit
-def _backward_tile(q, k, v, do, lse, delta, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale,
-                   fault_head, fault_row, fault_col, fault_delta, fault_mask, CAUSAL: tl.constexpr,
-                   HAS_MASK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr):  # fmt: skip
-    """What both backward kernels recompute for one tile: P from the scores and the saved lse,
-    dP = dO·Vᵀ and dS = P ∘ (dP − D), each with its stage's fault where asked."""
-    s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale,
-                fault_head, fault_row, fault_col, fault_delta, fault_mask, HAS_MASK, MODEL, STAGE)  # fmt: skip
-    p = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
-    if STAGE == 1:
-        p = _fault(p, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
-    dp = tl.dot(do, tl.trans(v))
-    if STAGE == 3:
-        dp = _fault(dp, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
-    ds = p * (dp - delta[:, None])
-    if STAGE == 4:
-        ds = _fault(ds, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
-    return p, dp, ds
+def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, lo, hi, head,
+               mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
+               MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
+               UPCAST: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """The online softmax over key blocks [lo, hi): MASKED blocks apply the causal and bounds masks."""
+    for start_n in range(lo, hi, BN):
+        offs_n = start_n + tl.arange(0, BN)
+        k = _tile(k_ptr, offs_n, Sk, sk_s, D, EVEN, UPCAST)
+        v = _tile(v_ptr, offs_n, Sk, sv_s, D, EVEN, UPCAST)
+        s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2,
+                    fault_head, fault_row, fault_col, fault_delta, fault_mask, HAS_MASK, MODEL, STAGE)  # fmt: skip
+        if MASKED:
+            s = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = m_new
+        if MASKED or HAS_MASK:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key seen yet
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        if STAGE == 1:
+            p = _fault(p, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_op = _operand(p, DT, UPCAST)  # the MMA's operand; the reference side multiplies the same
+        acc = tl.dot(p_op, v, acc * alpha[:, None])
+        if CHECK:
+            ref = tl.dot(p_op, _side(w_ptr, offs_n, Sk, EVEN, UPCAST), ref * alpha[:, None])
+        m_i = m_new
+    return acc, ref, m_i, l_i
 
 
 @triton.jit
 def attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, check_ptr,  # check [N, q_blocks, FWD_CHECKS] fp32
+    q_ptr, k_ptr, v_ptr, wv_ptr, o_ptr, lse_ptr, check_ptr,  # W of V [Nkv, Sk, SIDE]; check [N, q_blocks, 2]
     mask_ptr, sm_n, sm_q,  # additive fp32 mask [N or 1, Sq, Sk] (HAS_MASK), its head and row strides
     sq_n, sq_s, sk_n, sk_s, sv_n, sv_s, so_n, so_s,
-    Sq, Sk, scale, heads, group,
+    Sq, Sk, scale, sq_unscale, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
-    DT: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = _kv_head(head, heads, group)
     offs_m = pid_m * BM + tl.arange(0, BM)
-    q = _tile(q_ptr + head * sq_n, offs_m, Sq, sq_s, D, UPCAST)
+    q = _tile(q_ptr + head * sq_n, offs_m, Sq, sq_s, D, EVEN, UPCAST)
+    scale2 = scale * 1.4426950408889634
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
-    ref = tl.zeros((BM,), tl.float32)  # Σ_k p_qk (V·1)_k, rescaled with acc
-    ssq = tl.zeros((BM,), tl.float32)  # Σ_k p_qk² ‖V_k‖², rescaled by the square
+    ref = tl.zeros((BM, 16), tl.float32)  # p·W of V: p·(V·1) in three parts, p·‖V‖²
+    k_ptr += kv_head * sk_n
+    v_ptr += kv_head * sv_n
+    wv_ptr += kv_head * Sk * 16
     hi = Sk
+    free = Sk  # key blocks below `free` are seen by every row of the block (EVEN only)
     if CAUSAL:
         hi = tl.minimum(Sk, (pid_m + 1) * BM + Sk - Sq)
-    for start_n in range(0, hi, BN):
-        offs_n = start_n + tl.arange(0, BN)
-        k = _tile(k_ptr + kv_head * sk_n, offs_n, Sk, sk_s, D, UPCAST)
-        v = _tile(v_ptr + kv_head * sv_n, offs_n, Sk, sv_s, D, UPCAST)
-        s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale,
-                    fault_head, fault_row, fault_col, fault_delta, fault_mask, HAS_MASK, MODEL, STAGE)  # fmt: skip
-        s = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key seen yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        if STAGE == 1:
-            p = _fault(p, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_op = _operand(p, DT, UPCAST)  # the MMA's operand; the reference side takes the same rounded values
-        pf = p_op.to(tl.float32)
-        vf = v.to(tl.float32)
-        if CHECK:
-            ref = ref * alpha + tl.sum(pf * tl.sum(vf, axis=1)[None, :], axis=1)
-            ssq = ssq * alpha * alpha + tl.sum(pf * pf * tl.sum(vf * vf, axis=1)[None, :], axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p_op, v)
-        m_i = m_new
+        free = _clamp(tl.maximum(pid_m * BM + Sk - Sq + 1, 0) // BN * BN, 0, hi)
+    if not EVEN:
+        free = 0
+    if CAUSAL or not EVEN:
+        acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, 0, free,
+                                        head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
+                                        fault_delta, fault_mask, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN,
+                                        DT, UPCAST, D, BN)  # fmt: skip
+        acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, free, hi,
+                                        head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
+                                        fault_delta, fault_mask, True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN,
+                                        DT, UPCAST, D, BN)  # fmt: skip
+    else:
+        acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, 0, hi,
+                                        head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
+                                        fault_delta, fault_mask, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN,
+                                        DT, UPCAST, D, BN)  # fmt: skip
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if STAGE == 2:  # an error of `delta` in the normalized output is delta·ℓ in the accumulator
         acc = _fault(acc, offs_m, tl.arange(0, D), head, fault_head, fault_row, fault_col,
                      fault_delta * l_safe[:, None], fault_mask, MODEL)  # fmt: skip
     valid = offs_m < Sq
     if CHECK:
-        raw = tl.sum(acc, axis=1) - ref
-        diff = _normalized(raw, ssq)
+        side, ssq = _side_sums(ref)
+        raw = tl.sum(acc, axis=1) - side
+        diff = _normalized(raw, tl.maximum(tl.sqrt(ssq * sq_unscale), tl.sum(tl.abs(acc), axis=1)))
         raw = raw / l_safe  # in units of the normalized output, as the reference path reports it
         slot = check_ptr + (head * tl.num_programs(0) + pid_m) * 2
         tl.store(slot, _block_max(diff, valid))
@@ -212,18 +317,60 @@ def attention_fwd_kernel(
     cols = tl.arange(0, D)
     tl.store(o_ptr + head * so_n + offs_m[:, None] * so_s + cols[None, :], out.to(o_ptr.dtype.element_ty),
              mask=valid[:, None])  # fmt: skip
-    tl.store(lse_ptr + head * Sq + offs_m, m_i + tl.log(l_safe), mask=valid)
+    tl.store(lse_ptr + head * Sq + offs_m, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, mask=valid)
+
+
+@triton.jit
+def _kv_block(dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, sq_s, sdo_s,
+              offs_n, lo, hi, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2,
+              fault_head, fault_row, fault_col, fault_delta, fault_mask,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
+              MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
+              UPCAST: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):  # fmt: skip
+    """dK and dV of one key block over query blocks [lo, hi), on transposed tiles [BN, BM]."""
+    for start_m in range(lo, hi, BM):
+        offs_m = start_m + tl.arange(0, BM)
+        q = _tile(q_ptr, offs_m, Sq, sq_s, D, EVEN, UPCAST)
+        do_t = _tile_t(do_ptr, offs_m, Sq, sdo_s, D, EVEN, UPCAST)
+        lse2 = _vector(lse_ptr, offs_m, Sq, EVEN) * 1.4426950408889634
+        delta = _vector(delta_ptr, offs_m, Sq, EVEN)
+        s_t = tl.dot(k, tl.trans(q)) * scale2  # Sᵀ [BN, BM]
+        if HAS_MASK:
+            inside = (offs_m < Sq)[None, :] & (offs_n < Sk)[:, None]
+            bias = tl.load(mask_ptr + head * sm_n + offs_m[None, :] * sm_q + offs_n[:, None], mask=inside, other=0.0)
+            s_t += bias * 1.4426950408889634
+        if STAGE == 0:
+            s_t = _fault(s_t, offs_n, offs_m, head, fault_head, fault_col, fault_row, fault_delta, fault_mask, MODEL)
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        if MASKED:
+            p_t = tl.where(tl.trans(_visible(offs_m, offs_n, Sq, Sk, CAUSAL)), p_t, 0.0)
+        if STAGE == 1:
+            p_t = _fault(p_t, offs_n, offs_m, head, fault_head, fault_col, fault_row, fault_delta, fault_mask, MODEL)
+        dp_t = tl.dot(v, do_t)
+        if STAGE == 3:
+            dp_t = _fault(dp_t, offs_n, offs_m, head, fault_head, fault_col, fault_row, fault_delta, fault_mask, MODEL)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if STAGE == 4:
+            ds_t = _fault(ds_t, offs_n, offs_m, head, fault_head, fault_col, fault_row, fault_delta, fault_mask, MODEL)
+        p_op = _operand(p_t, DT, UPCAST)
+        dv = tl.dot(p_op, tl.trans(do_t), dv)
+        ds_op = _operand(ds_t, DT, UPCAST)
+        dk = tl.dot(ds_op, q, dk)
+        if CHECK:
+            dv_ref = tl.dot(p_op, _side(wdo_ptr, offs_m, Sq, EVEN, UPCAST), dv_ref)
+            dk_ref = tl.dot(ds_op, _side(wq_ptr, offs_m, Sq, EVEN, UPCAST), dk_ref)
+    return dk, dv, dk_ref, dv_ref
 
 
 @triton.jit
 def attention_bwd_kv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, check_ptr,  # check [N, k_blocks, KV_CHECKS]
-    mask_ptr, sm_n, sm_q,
+    q_ptr, k_ptr, v_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, check_ptr,
+    mask_ptr, sm_n, sm_q,  # W of Q and of dO [N, Sq, SIDE]; check [N, k_blocks, KV_CHECKS]
     sq_n, sq_s, sk_n, sk_s, sv_n, sv_s, sdo_n, sdo_s,
-    Sq, Sk, scale, heads, group,
+    Sq, Sk, scale, sq_unscale, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
-    DT: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key block (dK unscaled until stored), with the dv and dk checks."""
@@ -232,49 +379,49 @@ def attention_bwd_kv_kernel(
     kv_head = _kv_head(head, heads, group)
     offs_n = pid_n * BN + tl.arange(0, BN)
     cols = tl.arange(0, D)
-    k = _tile(k_ptr + kv_head * sk_n, offs_n, Sk, sk_s, D, UPCAST)
-    v = _tile(v_ptr + kv_head * sv_n, offs_n, Sk, sv_s, D, UPCAST)
+    k = _tile(k_ptr + kv_head * sk_n, offs_n, Sk, sk_s, D, EVEN, UPCAST)
+    v = _tile(v_ptr + kv_head * sv_n, offs_n, Sk, sv_s, D, EVEN, UPCAST)
     dk = tl.zeros((BN, D), tl.float32)
     dv = tl.zeros((BN, D), tl.float32)
-    dv_ref = tl.zeros((D,), tl.float32)  # Σ_q (Σ_k p_qk) dO_q
-    dv_abs = tl.zeros((D,), tl.float32)  # Σ_q (Σ_k p_qk) |dO_q|
-    dk_ref = tl.zeros((BN,), tl.float32)  # Σ_q dS_qk (Q·1)_q
+    dk_ref = tl.zeros((BN, 16), tl.float32)  # dSᵀ·W of Q: dSᵀ·(Q·1) in three parts
+    dv_ref = tl.zeros((BN, 16), tl.float32)  # Pᵀ·W of dO: Pᵀ·(dO·1) in three parts, Pᵀ·‖dO‖²
+    scale2 = scale * 1.4426950408889634
+    q_ptr += head * sq_n
+    do_ptr += head * sdo_n
+    wq_ptr += head * Sq * 16
+    wdo_ptr += head * Sq * 16
+    lse_ptr += head * Sq
+    delta_ptr += head * Sq
     lo = 0
+    free = 0  # query blocks from `free` on see every key of the block (EVEN only)
     if CAUSAL:
         lo = tl.maximum(0, pid_n * BN - (Sk - Sq)) // BM * BM
-    for start_m in range(lo, Sq, BM):
-        offs_m = start_m + tl.arange(0, BM)
-        q = _tile(q_ptr + head * sq_n, offs_m, Sq, sq_s, D, UPCAST)
-        do = _tile(do_ptr + head * sdo_n, offs_m, Sq, sdo_s, D, UPCAST)
-        lse = tl.load(lse_ptr + head * Sq + offs_m, mask=offs_m < Sq, other=0.0)
-        delta = tl.load(delta_ptr + head * Sq + offs_m, mask=offs_m < Sq, other=0.0)
-        p, _, ds = _backward_tile(q, k, v, do, lse, delta, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk,
-                                   scale, fault_head, fault_row, fault_col, fault_delta, fault_mask, CAUSAL,
-                                   HAS_MASK, MODEL, STAGE)  # fmt: skip
-        p_op = _operand(p, DT, UPCAST)
-        dv += tl.dot(tl.trans(p_op), do)
-        if CHECK:
-            p_rows = tl.sum(p_op.to(tl.float32), axis=1)
-            dof = do.to(tl.float32)
-            dv_ref += tl.sum(p_rows[:, None] * dof, axis=0)
-            dv_abs += tl.sum(p_rows[:, None] * tl.abs(dof), axis=0)
-        ds_op = _operand(ds, DT, UPCAST)
-        dk += tl.dot(tl.trans(ds_op), q)
-        if CHECK:
-            dk_ref += tl.sum(ds_op.to(tl.float32) * tl.sum(q.to(tl.float32), axis=1)[:, None], axis=0)
+        free = _clamp(tl.cdiv(tl.maximum(pid_n * BN + BN - 1 - (Sk - Sq), 0), BM) * BM, lo, Sq)
+    if not EVEN:
+        free = Sq
+    if CAUSAL or not EVEN:
+        dk, dv, dk_ref, dv_ref = _kv_block(
+            dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, sq_s, sdo_s, offs_n,
+            lo, free, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta,
+            fault_mask, True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BM)  # fmt: skip
+    dk, dv, dk_ref, dv_ref = _kv_block(
+        dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, sq_s, sdo_s, offs_n,
+        free, Sq, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta,
+        fault_mask, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BM)  # fmt: skip
     if STAGE == 2:
         dv = _fault(dv, offs_n, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
     if STAGE == 6:
         dk = _fault(dk, offs_n, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
     valid = offs_n < Sk
     if CHECK:
-        dv_raw = tl.sum(dv, axis=0) - dv_ref
-        dv_diff = tl.abs(dv_raw) / tl.maximum(U32 * dv_abs, TINY)
-        dv_diff = tl.where(dv_abs == float("inf"), float("inf"), dv_diff)
-        dk_raw = tl.where(valid, tl.sum(dk, axis=1) - dk_ref, 0.0)
-        dk_diff = _normalized(dk_raw, tl.sum(dk * dk, axis=1))
+        dv_side, dv_ssq = _side_sums(dv_ref)
+        dv_raw = tl.where(valid, tl.sum(dv, axis=1) - dv_side, 0.0)
+        dv_diff = _normalized(dv_raw, tl.maximum(tl.sqrt(dv_ssq * sq_unscale), tl.sum(tl.abs(dv), axis=1)))
+        dk_side, _ = _side_sums(dk_ref)
+        dk_raw = tl.where(valid, tl.sum(dk, axis=1) - dk_side, 0.0)
+        dk_diff = _normalized(dk_raw, tl.maximum(tl.sqrt(tl.sum(dk * dk, axis=1)), tl.sum(tl.abs(dk), axis=1)))
         slot = check_ptr + (head * tl.num_programs(0) + pid_n) * 4
-        tl.store(slot, _block_max(dv_diff, cols < D))
+        tl.store(slot, _block_max(dv_diff, valid))
         tl.store(slot + 1, _block_max(dk_diff, valid))
         tl.store(slot + 2, tl.sum(dv_raw * dv_raw, axis=0))
         tl.store(slot + 3, tl.sum(dk_raw * dk_raw, axis=0))
@@ -284,14 +431,50 @@ def attention_bwd_kv_kernel(
 
 
 @triton.jit
+def _q_block(dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m,
+             lo, hi, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2,
+             fault_head, fault_row, fault_col, fault_delta, fault_mask,
+             MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
+             MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
+             UPCAST: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """dQ of one query block over key blocks [lo, hi), with the row sums of dP, dS and P."""
+    for start_n in range(lo, hi, BN):
+        offs_n = start_n + tl.arange(0, BN)
+        k = _tile(k_ptr, offs_n, Sk, sk_s, D, EVEN, UPCAST)
+        v = _tile(v_ptr, offs_n, Sk, sv_s, D, EVEN, UPCAST)
+        s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2,
+                    fault_head, fault_row, fault_col, fault_delta, fault_mask, HAS_MASK, MODEL, STAGE)  # fmt: skip
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), p, 0.0)
+        if STAGE == 1:
+            p = _fault(p, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+        dp = tl.dot(do, tl.trans(v))
+        if STAGE == 3:
+            dp = _fault(dp, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+        ds = p * (dp - delta[:, None])
+        if STAGE == 4:
+            ds = _fault(ds, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+        ds_op = _operand(ds, DT, UPCAST)
+        dq = tl.dot(ds_op, k, dq)
+        if CHECK:
+            dq_ref = tl.dot(ds_op, _side(wk_ptr, offs_n, Sk, EVEN, UPCAST), dq_ref)
+            dp_sum += tl.sum(dp, axis=1)
+            ds_sum += tl.sum(ds, axis=1)
+            p_sum += tl.sum(p, axis=1)
+    return dq, dq_ref, dp_sum, ds_sum, p_sum
+
+
+@triton.jit
 def attention_bwd_q_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dmag_ptr, dq_ptr, check_ptr,  # check [N, q_blocks, Q_CHECKS]
-    mask_ptr, sm_n, sm_q,
+    q_ptr, k_ptr, v_ptr, do_ptr, wk_ptr, vcols_ptr, vsq_ptr, vmax_ptr, lse_ptr, delta_ptr, dmag_ptr, dq_ptr,
+    check_ptr,  # W of K [Nkv, Sk, SIDE]; V's column sums and Σ‖V_k‖² over the first t key blocks
+    mask_ptr, sm_n, sm_q,  # [Nkv, blocks + 1, D] and [Nkv, blocks + 1]; max_k ‖V_k‖ [Nkv]; check [N, q_blocks, 7]
     sq_n, sq_s, sk_n, sk_s, sv_n, sv_s, sdo_n, sdo_s,
     Sq, Sk, scale, u_out, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
-    DT: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block, with the dp, ds and dq checks and the row sums of the recomputed P."""
@@ -300,52 +483,58 @@ def attention_bwd_q_kernel(
     kv_head = _kv_head(head, heads, group)
     offs_m = pid_m * BM + tl.arange(0, BM)
     cols = tl.arange(0, D)
-    q = _tile(q_ptr + head * sq_n, offs_m, Sq, sq_s, D, UPCAST)
-    do = _tile(do_ptr + head * sdo_n, offs_m, Sq, sdo_s, D, UPCAST)
+    q = _tile(q_ptr + head * sq_n, offs_m, Sq, sq_s, D, EVEN, UPCAST)
+    do = _tile(do_ptr + head * sdo_n, offs_m, Sq, sdo_s, D, EVEN, UPCAST)
     valid = offs_m < Sq
-    lse = tl.load(lse_ptr + head * Sq + offs_m, mask=valid, other=0.0)
+    lse2 = tl.load(lse_ptr + head * Sq + offs_m, mask=valid, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + head * Sq + offs_m, mask=valid, other=0.0)
-    dmag = tl.load(dmag_ptr + head * Sq + offs_m, mask=valid, other=0.0)
-    dof = do.to(tl.float32)
+    scale2 = scale * 1.4426950408889634
     dq = tl.zeros((BM, D), tl.float32)
-    dq_ref = tl.zeros((BM,), tl.float32)  # Σ_k dS_qk (K·1)_k
+    dq_ref = tl.zeros((BM, 16), tl.float32)  # dS·W of K: dS·(K·1) in three parts
     dp_sum = tl.zeros((BM,), tl.float32)
-    dp_ref = tl.zeros((BM,), tl.float32)  # dO_q·Σ_k V_k over the keys visited
-    dp_sq = tl.zeros((BM,), tl.float32)
     ds_sum = tl.zeros((BM,), tl.float32)
-    ds_abs = tl.zeros((BM,), tl.float32)
     p_sum = tl.zeros((BM,), tl.float32)
+    k_ptr += kv_head * sk_n
+    v_ptr += kv_head * sv_n
+    wk_ptr += kv_head * Sk * 16
     hi = Sk
+    free = Sk
     if CAUSAL:
         hi = tl.minimum(Sk, (pid_m + 1) * BM + Sk - Sq)
-    for start_n in range(0, hi, BN):
-        offs_n = start_n + tl.arange(0, BN)
-        k = _tile(k_ptr + kv_head * sk_n, offs_n, Sk, sk_s, D, UPCAST)
-        v = _tile(v_ptr + kv_head * sv_n, offs_n, Sk, sv_s, D, UPCAST)
-        p, dp, ds = _backward_tile(q, k, v, do, lse, delta, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk,
-                                   scale, fault_head, fault_row, fault_col, fault_delta, fault_mask, CAUSAL,
-                                   HAS_MASK, MODEL, STAGE)  # fmt: skip
-        if CHECK:
-            p_sum += tl.sum(p, axis=1)
-            dp_sum += tl.sum(dp, axis=1)
-            dp_sq += tl.sum(dp * dp, axis=1)
-            dp_ref += tl.sum(dof * tl.sum(v.to(tl.float32), axis=0)[None, :], axis=1)
-        ds_op = _operand(ds, DT, UPCAST)
-        dq += tl.dot(ds_op, k)
-        if CHECK:
-            ds_sum += tl.sum(ds, axis=1)
-            ds_abs += tl.sum(tl.abs(ds), axis=1)
-            dq_ref += tl.sum(ds_op.to(tl.float32) * tl.sum(k.to(tl.float32), axis=1)[None, :], axis=1)
+        free = _clamp(tl.maximum(pid_m * BM + Sk - Sq + 1, 0) // BN * BN, 0, hi)
+    if not EVEN:
+        free = 0
+    if CAUSAL or not EVEN:
+        dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
+            dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, 0, free,
+            head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
+            False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
+        dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
+            dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, free, hi,
+            head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
+            True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
+    else:
+        dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
+            dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, 0, hi,
+            head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
+            False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
     if STAGE == 5:
         dq = _fault(dq, offs_m, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
     if CHECK:
-        dp_raw = tl.where(valid, dp_sum - dp_ref, 0.0)
+        dof = do.to(tl.float32)
+        do_norm = tl.sqrt(tl.sum(dof * dof, axis=1))
+        visited = tl.cdiv(hi, BN)  # key blocks the loops ran over (whole blocks: dP is not masked)
+        vcols = tl.load(vcols_ptr + (kv_head * (tl.cdiv(Sk, BN) + 1) + visited) * D + cols)
+        vsq = tl.load(vsq_ptr + kv_head * (tl.cdiv(Sk, BN) + 1) + visited)
+        dp_raw = tl.where(valid, dp_sum - tl.sum(dof * vcols[None, :], axis=1), 0.0)
+        dp_diff = _normalized(dp_raw, tl.maximum(do_norm * tl.sqrt(vsq), tl.abs(dp_sum)))
+        dmag = tl.load(dmag_ptr + head * Sq + offs_m, mask=valid, other=0.0)
+        vmax = tl.load(vmax_ptr + kv_head)
         ds_raw = tl.where(valid, ds_sum, 0.0)
-        dq_raw = tl.where(valid, tl.sum(dq, axis=1) - dq_ref, 0.0)
-        dp_diff = _normalized(dp_raw, dp_sq)
-        ds_diff = tl.abs(ds_raw) / tl.maximum(U32 * ds_abs + u_out * dmag, TINY)
-        ds_diff = tl.where(ds_abs == float("inf"), float("inf"), ds_diff)
-        dq_diff = _normalized(dq_raw, tl.sum(dq * dq, axis=1))
+        ds_diff = _normalized(ds_raw, do_norm * vmax + tl.abs(delta) + (u_out / U32) * dmag)
+        dq_side, _ = _side_sums(dq_ref)
+        dq_raw = tl.where(valid, tl.sum(dq, axis=1) - dq_side, 0.0)
+        dq_diff = _normalized(dq_raw, tl.maximum(tl.sqrt(tl.sum(dq * dq, axis=1)), tl.sum(tl.abs(dq), axis=1)))
         p_diff = tl.abs(p_sum - 1.0) / U32
         slot = check_ptr + (head * tl.num_programs(0) + pid_m) * 7
         tl.store(slot, _block_max(dp_diff, valid))
@@ -367,24 +556,39 @@ assert set(_STAGE_IDS) == set(STAGES)
 
 
 @dataclasses.dataclass(frozen=True)
+class Blocks:
+    """One kernel's blocks and pipeline. A block is also the unit a row's (or column's) check sums run
+    over, so a replay must use the same: fixed per head dimension, never autotuned."""
+
+    block_m: int  # query rows per tile
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Blocks and pipeline of the attention kernels (a block is also the unit a row's sums run over,
-    so a replay must use the same: fixed per head dimension, never autotuned)."""
+    """The three kernels' blocks: forward (a program owns block_m queries and loops over keys), the
+    dK/dV kernel (owns block_n keys, loops over queries) and the dQ kernel (owns block_m queries)."""
 
-    block_m: int = 64
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
+    fwd: Blocks
+    kv: Blocks
+    q: Blocks
 
 
-# Not yet tuned on the GPU (benchmarks/attention.py will choose); the interpreter runs one program at
-# a time on the CPU, so its blocks are small.
-GPU_CONFIG = AttentionConfig()
-INTERPRETER_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+# Chosen on the H200 with benchmarks/attention.py --tune (bf16, head dimension 128, checked kernels;
+# the sum of four cases 4 × 2048 and 1 × 8192, causal and full: results in the tune record).
+GPU_CONFIG = AttentionConfig(fwd=Blocks(128, 64, 8, 3), kv=Blocks(32, 64, 4, 3), q=Blocks(128, 128, 8, 2))
+# The interpreter runs one program at a time on the CPU: small blocks keep the tests fast.
+INTERPRETER_CONFIG = AttentionConfig(fwd=Blocks(16, 16, 4, 1), kv=Blocks(16, 16, 4, 1), q=Blocks(16, 16, 4, 1))
 
 
 def config_for(head_dim: int) -> AttentionConfig:
     return INTERPRETER_CONFIG if INTERPRET else GPU_CONFIG
+
+
+def _launch_args(blocks: Blocks) -> dict:
+    return dict(BM=blocks.block_m, BN=blocks.block_n, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -446,10 +650,41 @@ def _strides(t: torch.Tensor) -> tuple[int, int]:
     return t.stride(0), t.stride(1)
 
 
+def _sums(x: torch.Tensor, block: int = 64, cols: bool = False, o: torch.Tensor | None = None) -> tuple:
+    """The side pass over x [N, S, D] (`attention_sums_kernel`): W [N, S, SIDE] in x's dtype, and with
+    `cols` V's running column sums [N, blocks + 1, D], Σ‖V_k‖² [N, blocks + 1] over the first t key
+    blocks (t = 0 … blocks, fp32) and max_k ‖V_k‖ [N]; with `o` (x = dO) D and Σ_d |dO ⊙ O| [N, S]."""
+    n, length, d = x.shape
+    blocks = triton.cdiv(length, block)
+    w = torch.empty(n, length, SIDE, dtype=x.dtype, device=x.device)
+    colsum = torch.empty(n, blocks, d, dtype=torch.float32, device=x.device) if cols else w
+    colsq, colmax = (torch.empty(n, blocks, dtype=torch.float32, device=x.device) if cols else w for _ in range(2))
+    with_o = o is not None
+    delta, dmag = (torch.empty(n, length, dtype=torch.float32, device=x.device) if with_o else w for _ in range(2))
+    attention_sums_kernel[(blocks, n)](
+        x, x if o is None else o, w, colsum, colsq, colmax, delta, dmag, *_strides(x), *_strides(x if o is None else o),
+        length, _sq_scale(x.dtype), WITH_COLS=cols, WITH_O=o is not None, DT=_TL_DTYPES[x.dtype], D=d, BLOCK=block,
+    )  # fmt: skip
+    if cols:  # running sums over key blocks, a zero first: the dQ kernel reads the row of the blocks it visited
+        colsum = torch.nn.functional.pad(colsum.cumsum(dim=1), (0, 0, 1, 0))
+        colsq = torch.nn.functional.pad(colsq.cumsum(dim=1), (1, 0))
+        colmax = colmax.amax(dim=1).sqrt()
+    return w, colsum, colsq, colmax, delta, dmag
+
+
+def _sq_scale(dtype: torch.dtype) -> float:
+    """The factor on ‖x‖² in a side operand: 2⁻⁸ for fp16 (65504 is its largest value), else 1."""
+    return 2.0**-8 if dtype == torch.float16 else 1.0
+
+
+def _even(sq: int, sk: int, blocks: Blocks) -> bool:
+    return sq % blocks.block_m == 0 and sk % blocks.block_n == 0
+
+
 def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None, mask: torch.Tensor | None = None,
             drop: torch.Tensor | None = None, *, heads: int | None = None, check: bool = True) -> Forward:  # fmt: skip
     """The checked forward of flattened heads (see the module docstring): out [N, Sq, D] (q's dtype),
-    lse [N, Sq] fp32, values [N] fp64 and raw_l2 [N] fp64 on the device.
+    lse [N, Sq] fp32 (natural log), values [N] fp64 and raw_l2 [N] fp64 on the device.
 
     k and v hold N or fewer heads: with `heads` query heads per batch and k [N·Hkv/heads, Sk, D], query
     head h of a batch reads key/value head h // (heads / Hkv) in place (GQA without an expanded copy).
@@ -460,18 +695,18 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
     n, sq, d = q.shape
     heads, group = _grouping(n, k.shape[0], heads)
     sk = k.shape[1]
-    cfg = config_for(d)
+    cfg = config_for(d).fwd
     q_blocks = triton.cdiv(sq, cfg.block_m)
     out = torch.empty_like(q)
     lse = torch.empty(n, sq, dtype=torch.float32, device=q.device)
     checks = torch.empty(n, q_blocks, FWD_CHECKS, dtype=torch.float32, device=q.device)
+    wv = _sums(v)[0] if check else q
     model, stage, fargs = _fault_args(fault, False, sq, sk, d)
     attention_fwd_kernel[(q_blocks, n)](
-        q, k, v, out, lse, checks, *_mask_args(mask, q), *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        sq, sk, float(scale), heads, group, *fargs,
-        CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage, DT=_TL_DTYPES[q.dtype],
-        UPCAST=INTERPRET,
-        D=d, BM=cfg.block_m, BN=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q, k, v, wv, out, lse, checks, *_mask_args(mask, q), *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        sq, sk, float(scale), 1.0 / _sq_scale(q.dtype), heads, group, *fargs,
+        CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage,
+        EVEN=_even(sq, sk, cfg), DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d, **_launch_args(cfg),
     )  # fmt: skip
     if not check:
         return Forward(out, lse, torch.empty(0), torch.empty(0))
@@ -482,7 +717,7 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
              mask: torch.Tensor | None = None, drop: torch.Tensor | None = None, *, heads: int | None = None,
              check: bool = True) -> Backward:  # fmt: skip
     """The checked backward of flattened heads: dq, dk, dv fp32 (per query head: a GQA group's sum
-    is the caller's), values [len(BACKWARD_CHECKS), N] fp64 and raw_l2 [N] (‖1ᵀdV − (1ᵀPᵀ)·dO‖₂) on
+    is the caller's), values [len(BACKWARD_CHECKS), N] fp64 and raw_l2 [N] (‖dV·1 − Pᵀ·(dO·1)‖₂) on
     the device. `heads`, `mask` and `check` as for `forward`."""
     _reference_only(drop)
     n, sq, d = q.shape
@@ -490,33 +725,36 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
     sk = k.shape[1]
     cfg = config_for(d)
     do = dout if dout.stride(-1) == 1 else dout.contiguous()
-    prod = do.float() * out.float()
-    delta = prod.sum(dim=-1).contiguous()  # D = rowsum(dO ⊙ O) [N, Sq]
-    dmag = prod.abs().sum(dim=-1).contiguous()
+    wdo, _, _, _, delta, dmag = _sums(do, o=out)  # D = rowsum(dO ⊙ O) [N, Sq] with the side operand of dO
+    if check:
+        wq, wk = _sums(q)[0], _sums(k)[0]
+        _, vcols, vsq, vmax, _, _ = _sums(v, block=cfg.q.block_n, cols=True)
+    else:
+        wq = wk = vcols = vsq = vmax = wdo
     dq = torch.empty(n, sq, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(n, sk, d, dtype=torch.float32, device=q.device)
     dv = torch.empty(n, sk, d, dtype=torch.float32, device=q.device)  # per query head
-    q_blocks, k_blocks = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
+    q_blocks, k_blocks = triton.cdiv(sq, cfg.q.block_m), triton.cdiv(sk, cfg.kv.block_n)
     kv_check = torch.empty(n, k_blocks, KV_CHECKS, dtype=torch.float32, device=q.device)
     q_check = torch.empty(n, q_blocks, Q_CHECKS, dtype=torch.float32, device=q.device)
     model, stage, fargs = _fault_args(fault, True, sq, sk, d)
     common = dict(CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage,
-                  DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d, BM=cfg.block_m, BN=cfg.block_n,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
+                  DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d)  # fmt: skip
     operands = (*_mask_args(mask, q), *_strides(q), *_strides(k), *_strides(v), *_strides(do))
     attention_bwd_kv_kernel[(k_blocks, n)](
-        q, k, v, do, lse, delta, dk, dv, kv_check, *operands, sq, sk, float(scale), heads, group, *fargs, **common
+        q, k, v, do, wq, wdo, lse, delta, dk, dv, kv_check, *operands, sq, sk, float(scale),
+        1.0 / _sq_scale(q.dtype), heads, group, *fargs, EVEN=_even(sq, sk, cfg.kv), **common, **_launch_args(cfg.kv),
     )  # fmt: skip
     u_out = torch.finfo(out.dtype).eps / 2
     attention_bwd_q_kernel[(q_blocks, n)](
-        q, k, v, do, lse, delta, dmag, dq, q_check, *operands, sq, sk, float(scale), u_out, heads, group, *fargs,
-        **common,
+        q, k, v, do, wk, vcols, vsq, vmax, lse, delta, dmag, dq, q_check, *operands, sq, sk, float(scale), u_out,
+        heads, group, *fargs, EVEN=_even(sq, sk, cfg.q), **common, **_launch_args(cfg.q),
     )  # fmt: skip
     if not check:
         return Backward(dq, dk, dv, torch.empty(0), torch.empty(0))
     kv, qc = kv_check.double(), q_check.double()
     values = torch.stack([
-        torch.maximum(kv[..., 0].amax(dim=1), qc[..., 3].amax(dim=1)),  # dv: dV's columns and P's rows
+        torch.maximum(kv[..., 0].amax(dim=1), qc[..., 3].amax(dim=1)),  # dv: dV's rows and P's rows
         qc[..., 0].amax(dim=1),
         qc[..., 1].amax(dim=1),
         qc[..., 2].amax(dim=1),
