@@ -30,7 +30,8 @@ across threads; what is left per tile is a row sum or two in the dQ kernel.
               softmax-backward identity Σ_k dS_qk = 0, scale u·(‖dO_q‖·max_k ‖V_k‖ + |D_q|) +
               u_O·Σ_d |dO_qd O_qd| (a bound of u·Σ_k |dS_qk| plus the rounding of O, from which D is
               taken); dq — dQ's row sums against dS·(K·1), scale u·‖dQ_q‖; and the rows of the
-              recomputed P, which sum to 1 within (Sk + 3)·u when the scores and the saved lse agree.
+              recomputed P, which sum to 1 within (Sk + 3)·u when the scores and the saved lse agree
+              (reported in units of that bound, so that in `dv` they never hide dV's row check).
     Every scale has the floor u·Σ_d |acc_qd| (the rounding of the check's own sum over the row), so
     an underflowed fp16 ‖x‖² never makes a clean row look wrong.
     The backward values keep the reference path's five checks (`BACKWARD_CHECKS`): `dv` is the
@@ -38,8 +39,8 @@ across threads; what is left per tile is a row sum or two in the dQ kernel.
     exactly the part of it that reaches dQ and dK — so `ds` sees every dP fault that changes a gradient.
 
 Each program writes the largest normalized difference of its block per check and the Σ of its squared
-raw differences (their root over a head is the AEGIS unit of fault size); the launcher reduces blocks to one
-value per head with torch on the device — nothing reads the host. Under TRITON_INTERPRET=1 operands
+raw differences (their root over a head is the AEGIS unit of fault size); a finish kernel reduces the
+blocks to one value per head in fp64, in block order — nothing reads the host. Under TRITON_INTERPRET=1 operands
 are upcast after loading (bf16 arithmetic is wrong in the interpreter), as in kernels/triton_gemm.py.
 
 Fault stages (constexpr STAGE, as `attention_reference.STAGES`): qk, softmax, pv (O's accumulator in
@@ -62,6 +63,7 @@ U32 = tl.constexpr(2.0**-24)
 TINY = tl.constexpr(1e-30)
 LOG2E = 1.4426950408889634
 NO_STAGE = -1
+FINISH_BLOCK = 64  # blocks a finish kernel reads at a time
 SIDE = 16  # columns of a side operand W: hi, mid, lo of x·1, ‖x‖², zeros (an MMA needs 16)
 # check columns of the per-block outputs
 FWD_CHECKS = 2  # normalized max, Σ raw²
@@ -468,8 +470,8 @@ def _q_block(dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr
 @triton.jit
 def attention_bwd_q_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, wk_ptr, vcols_ptr, vsq_ptr, vmax_ptr, lse_ptr, delta_ptr, dmag_ptr, dq_ptr,
-    check_ptr,  # W of K [Nkv, Sk, SIDE]; V's column sums and Σ‖V_k‖² over the first t key blocks
-    mask_ptr, sm_n, sm_q,  # [Nkv, blocks + 1, D] and [Nkv, blocks + 1]; max_k ‖V_k‖ [Nkv]; check [N, q_blocks, 7]
+    check_ptr,  # W of K [Nkv, Sk, SIDE]; per key block of V: column sums [Nkv, blocks, D], Σ and max of ‖V_k‖²
+    mask_ptr, sm_n, sm_q,  # [Nkv, blocks] (blocks of BN keys); check [N, q_blocks, Q_CHECKS]
     sq_n, sq_s, sk_n, sk_s, sv_n, sv_s, sdo_n, sdo_s,
     Sq, Sk, scale, u_out, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
@@ -523,19 +525,26 @@ def attention_bwd_q_kernel(
     if CHECK:
         dof = do.to(tl.float32)
         do_norm = tl.sqrt(tl.sum(dof * dof, axis=1))
-        visited = tl.cdiv(hi, BN)  # key blocks the loops ran over (whole blocks: dP is not masked)
-        vcols = tl.load(vcols_ptr + (kv_head * (tl.cdiv(Sk, BN) + 1) + visited) * D + cols)
-        vsq = tl.load(vsq_ptr + kv_head * (tl.cdiv(Sk, BN) + 1) + visited)
+        # V's column sums, Σ‖V_k‖² and max ‖V_k‖² over the key blocks the loops ran over (whole blocks:
+        # dP is not masked), summed here in block order from the side pass's per-block values
+        vcols = tl.zeros((D,), tl.float32)
+        vsq = 0.0
+        vmax = 0.0
+        block_row = kv_head * tl.cdiv(Sk, BN)
+        for b in range(0, tl.cdiv(hi, BN)):
+            vcols += tl.load(vcols_ptr + (block_row + b) * D + cols)
+            vsq += tl.load(vsq_ptr + block_row + b)
+            vmax = tl.maximum(vmax, tl.load(vmax_ptr + block_row + b))
         dp_raw = tl.where(valid, dp_sum - tl.sum(dof * vcols[None, :], axis=1), 0.0)
         dp_diff = _normalized(dp_raw, tl.maximum(do_norm * tl.sqrt(vsq), tl.abs(dp_sum)))
         dmag = tl.load(dmag_ptr + head * Sq + offs_m, mask=valid, other=0.0)
-        vmax = tl.load(vmax_ptr + kv_head)
+        vmax = tl.sqrt(vmax)
         ds_raw = tl.where(valid, ds_sum, 0.0)
         ds_diff = _normalized(ds_raw, do_norm * vmax + tl.abs(delta) + (u_out / U32) * dmag)
         dq_side, _ = _side_sums(dq_ref)
         dq_raw = tl.where(valid, tl.sum(dq, axis=1) - dq_side, 0.0)
         dq_diff = _normalized(dq_raw, tl.maximum(tl.sqrt(tl.sum(dq * dq, axis=1)), tl.sum(tl.abs(dq), axis=1)))
-        p_diff = tl.abs(p_sum - 1.0) / U32
+        p_diff = tl.abs(p_sum - 1.0) / (U32 * (Sk + 3.0))  # in units of its bound: at most 1 when correct
         slot = check_ptr + (head * tl.num_programs(0) + pid_m) * 7
         tl.store(slot, _block_max(dp_diff, valid))
         tl.store(slot + 1, _block_max(ds_diff, valid))
@@ -545,6 +554,59 @@ def attention_bwd_q_kernel(
         tl.store(slot + 5, tl.sum(ds_raw * ds_raw, axis=0))
         tl.store(slot + 6, tl.sum(dq_raw * dq_raw, axis=0))
     tl.store(dq_ptr + head * Sq * D + offs_m[:, None] * D + cols[None, :], dq * scale, mask=valid[:, None])
+
+
+@triton.jit
+def attention_fwd_finish_kernel(check_ptr, values_ptr, l2_ptr, blocks, BLOCK: tl.constexpr):
+    """Per head: the largest normalized difference over its query blocks and the root of the Σ of
+    squared raw differences (fp64), from check [N, blocks, FWD_CHECKS]: one launch, no torch epilogue."""
+    head = tl.program_id(0)
+    top = tl.zeros((BLOCK,), tl.float32)
+    ssq = tl.zeros((BLOCK,), tl.float64)
+    for start in range(0, blocks, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        slot = check_ptr + (head * blocks + offs) * 2
+        top = tl.maximum(top, tl.load(slot, mask=offs < blocks, other=0.0))
+        ssq += tl.load(slot + 1, mask=offs < blocks, other=0.0).to(tl.float64)
+    tl.store(values_ptr + head, tl.max(top, axis=0).to(tl.float64))
+    tl.store(l2_ptr + head, tl.sqrt(tl.sum(ssq, axis=0)))
+
+
+@triton.jit
+def _column_max(ptr, head, blocks, width, col, BLOCK: tl.constexpr):
+    top = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, blocks, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        top = tl.maximum(top, tl.load(ptr + (head * blocks + offs) * width + col, mask=offs < blocks, other=0.0))
+    return tl.max(top, axis=0).to(tl.float64)
+
+
+@triton.jit
+def _column_root(ptr, head, blocks, width, col, BLOCK: tl.constexpr):
+    total = tl.zeros((BLOCK,), tl.float64)
+    for start in range(0, blocks, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        total += tl.load(ptr + (head * blocks + offs) * width + col, mask=offs < blocks, other=0.0).to(tl.float64)
+    return tl.sqrt(tl.sum(total, axis=0))
+
+
+@triton.jit
+def attention_bwd_finish_kernel(kv_ptr, q_ptr, values_ptr, l2_ptr, N, k_blocks, q_blocks, BLOCK: tl.constexpr):
+    """Per head, from kv_check [N, k_blocks, KV_CHECKS] and q_check [N, q_blocks, Q_CHECKS]: values
+    [BACKWARD_CHECKS, N] (block maxima; dv the larger of dV's rows and P's rows) and each check's
+    ‖raw‖₂ [BACKWARD_CHECKS, N] (fp64)."""
+    head = tl.program_id(0)
+    dv = tl.maximum(_column_max(kv_ptr, head, k_blocks, 4, 0, BLOCK), _column_max(q_ptr, head, q_blocks, 7, 3, BLOCK))
+    tl.store(values_ptr + head, dv)
+    tl.store(values_ptr + N + head, _column_max(q_ptr, head, q_blocks, 7, 0, BLOCK))
+    tl.store(values_ptr + 2 * N + head, _column_max(q_ptr, head, q_blocks, 7, 1, BLOCK))
+    tl.store(values_ptr + 3 * N + head, _column_max(q_ptr, head, q_blocks, 7, 2, BLOCK))
+    tl.store(values_ptr + 4 * N + head, _column_max(kv_ptr, head, k_blocks, 4, 1, BLOCK))
+    tl.store(l2_ptr + head, _column_root(kv_ptr, head, k_blocks, 4, 2, BLOCK))
+    tl.store(l2_ptr + N + head, _column_root(q_ptr, head, q_blocks, 7, 4, BLOCK))
+    tl.store(l2_ptr + 2 * N + head, _column_root(q_ptr, head, q_blocks, 7, 5, BLOCK))
+    tl.store(l2_ptr + 3 * N + head, _column_root(q_ptr, head, q_blocks, 7, 6, BLOCK))
+    tl.store(l2_ptr + 4 * N + head, _column_root(kv_ptr, head, k_blocks, 4, 3, BLOCK))
 
 
 # -- host side --------------------------------------------------------------------------------------
@@ -652,8 +714,8 @@ def _strides(t: torch.Tensor) -> tuple[int, int]:
 
 def _sums(x: torch.Tensor, block: int = 64, cols: bool = False, o: torch.Tensor | None = None) -> tuple:
     """The side pass over x [N, S, D] (`attention_sums_kernel`): W [N, S, SIDE] in x's dtype, and with
-    `cols` V's running column sums [N, blocks + 1, D], Σ‖V_k‖² [N, blocks + 1] over the first t key
-    blocks (t = 0 … blocks, fp32) and max_k ‖V_k‖ [N]; with `o` (x = dO) D and Σ_d |dO ⊙ O| [N, S]."""
+    `cols` per block of `block` rows its column sums [N, blocks, D], Σ and max of ‖x_k‖² [N, blocks]
+    (fp32); with `o` (x = dO) D and Σ_d |dO ⊙ O| [N, S]."""
     n, length, d = x.shape
     blocks = triton.cdiv(length, block)
     w = torch.empty(n, length, SIDE, dtype=x.dtype, device=x.device)
@@ -665,10 +727,6 @@ def _sums(x: torch.Tensor, block: int = 64, cols: bool = False, o: torch.Tensor 
         x, x if o is None else o, w, colsum, colsq, colmax, delta, dmag, *_strides(x), *_strides(x if o is None else o),
         length, _sq_scale(x.dtype), WITH_COLS=cols, WITH_O=o is not None, DT=_TL_DTYPES[x.dtype], D=d, BLOCK=block,
     )  # fmt: skip
-    if cols:  # running sums over key blocks, a zero first: the dQ kernel reads the row of the blocks it visited
-        colsum = torch.nn.functional.pad(colsum.cumsum(dim=1), (0, 0, 1, 0))
-        colsq = torch.nn.functional.pad(colsq.cumsum(dim=1), (1, 0))
-        colmax = colmax.amax(dim=1).sqrt()
     return w, colsum, colsq, colmax, delta, dmag
 
 
@@ -710,7 +768,9 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
     )  # fmt: skip
     if not check:
         return Forward(out, lse, torch.empty(0), torch.empty(0))
-    return Forward(out, lse, checks[..., 0].double().amax(dim=1), checks[..., 1].double().sum(dim=1).sqrt())
+    values, raw_l2 = torch.empty(2, n, dtype=torch.float64, device=q.device)
+    attention_fwd_finish_kernel[(n,)](checks, values, raw_l2, q_blocks, BLOCK=FINISH_BLOCK)
+    return Forward(out, lse, values, raw_l2)
 
 
 def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None,
@@ -752,19 +812,6 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
     )  # fmt: skip
     if not check:
         return Backward(dq, dk, dv, torch.empty(0), torch.empty(0))
-    kv, qc = kv_check.double(), q_check.double()
-    values = torch.stack([
-        torch.maximum(kv[..., 0].amax(dim=1), qc[..., 3].amax(dim=1)),  # dv: dV's rows and P's rows
-        qc[..., 0].amax(dim=1),
-        qc[..., 1].amax(dim=1),
-        qc[..., 2].amax(dim=1),
-        kv[..., 1].amax(dim=1),
-    ])  # fmt: skip
-    assert values.shape[0] == len(BACKWARD_CHECKS)
-    l2 = torch.stack([kv[..., 2].sum(dim=1), *(qc[..., i].sum(dim=1) for i in (4, 5, 6)), kv[..., 3].sum(dim=1)]).sqrt()
+    values, l2 = torch.empty(2, len(BACKWARD_CHECKS), n, dtype=torch.float64, device=q.device)
+    attention_bwd_finish_kernel[(n,)](kv_check, q_check, values, l2, n, k_blocks, q_blocks, BLOCK=FINISH_BLOCK)
     return Backward(dq, dk, dv, values, l2[0], check_l2=l2)
-
-
-def softmax_row_bound(keys: int) -> float:
-    """The largest normalized deviation of a correct P row sum from 1: (Sk + 3)·u, in units of u."""
-    return keys + 3.0
