@@ -38,3 +38,19 @@ def train(model, data, optimizer, steps: int) -> list[float]:
 def guard_config(tmp_path, **kwargs) -> aegis.GuardConfig:
     kwargs.setdefault("response", aegis.ResponseConfig(policy="warn"))
     return aegis.GuardConfig(run_dir=str(tmp_path / "run"), **kwargs)
+
+
+class Quiet:
+    """Attention op hooks that plan a check on every call and keep the values: the op alone."""
+
+    def __init__(self):
+        self.values = {}
+
+    def plan(self, heads):
+        return object()
+
+    def fault_for(self, plan, backward):
+        return None
+
+    def observe(self, plan, backward, values, capture):
+        self.values[backward] = values

@@ -9,28 +9,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers import MEDIUM, guard_config, small_workload, train
+from tests.helpers import MEDIUM, Quiet, guard_config, small_workload, train
 
 import aegis_sdc as aegis
 from aegis_sdc.faults.models import AccumulatorFault
 from aegis_sdc.kernels.attention_reference import HeadFault, attention_backward, attention_forward, backward_bound
+from aegis_sdc.ops import checked_attention as attention_op
 from aegis_sdc.ops.checked_attention import checked_attention
-
-
-class Quiet:
-    """Hooks that plan a check and record nothing: the op alone."""
-
-    def __init__(self):
-        self.values = {}
-
-    def plan(self, heads):
-        return object()
-
-    def fault_for(self, plan, backward):
-        return None
-
-    def observe(self, plan, backward, values, capture):
-        self.values[backward] = values
 
 
 def reference(q, k, v, causal):
@@ -213,7 +198,7 @@ def test_a_wrong_reference_side_is_confirmed_not_taken_for_noise():
     # its reference side wrong (a device fault that did not touch training): confirmed, never a
     # false alarm (which would raise the threshold). A replay that reproduces both is a false alarm.
     from aegis_sdc.events import VerdictKind
-    from aegis_sdc.ops.checked_attention import CallReplay
+    from aegis_sdc.ops.checked_attention import REFERENCE, CallReplay
     from aegis_sdc.sensors.attention import AttentionCapture
 
     g = torch.Generator().manual_seed(2)
@@ -221,14 +206,14 @@ def test_a_wrong_reference_side_is_confirmed_not_taken_for_noise():
     forward = attention_forward(q, k, v, 0.25, True)
     backward = attention_backward(q, k, v, forward.out, forward.lse, do, 0.25, True)
     grads = (backward.dq, backward.dk, backward.dv)
-    replay = CallReplay(1, q, k, v, 0.25, True, forward.out, forward.lse, do, grads)
+    replay = CallReplay(REFERENCE, 1, q, k, v, 0.25, True, forward.out, forward.lse, do, grads)
     clean = AttentionCapture(replay, True, 0, 1, backward.values[:, 1].clone())
     assert clean.verdict()[0] is VerdictKind.FALSE_ALARM
     wrong_reference = backward.values[:, 1].clone()
     wrong_reference[2] += 1.0  # the ds check's value, as a faulty fp64 sum would leave it
     kind, _, detail = AttentionCapture(replay, True, 0, 1, wrong_reference).verdict()
     assert kind is VerdictKind.CONFIRMED_SDC and "reference side" in detail
-    forward_replay = CallReplay(3, q, k, v, 0.25, True, forward.out, forward.lse)
+    forward_replay = CallReplay(REFERENCE, 3, q, k, v, 0.25, True, forward.out, forward.lse)
     assert AttentionCapture(forward_replay, False, 0, 3, forward.values[3:4].clone()).verdict()[0] is (
         VerdictKind.FALSE_ALARM
     )
@@ -326,11 +311,16 @@ def test_under_dropout_each_backward_stage_is_seen_by_its_check(stage):
 
 
 @pytest.mark.gpu
-def test_attention_on_cuda_is_named_in_the_coverage(tmp_path):
+@pytest.mark.parametrize("triton_on,dropout,reason", [
+    (False, 0.0, "attention on CUDA"),  # the switch off: every CUDA call is named
+    (True, 0.1, "attention dropout on CUDA"),  # the kernels take no dropout yet
+])  # fmt: skip
+def test_unchecked_attention_on_cuda_is_named_in_the_coverage(tmp_path, monkeypatch, triton_on, dropout, reason):
+    monkeypatch.setattr(attention_op, "TRITON_ON_CUDA", triton_on)
     torch.manual_seed(0)
-    model = PaddedAttention().cuda()
+    model = PaddedAttention(dropout=dropout).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.warns(UserWarning, match="attention not checked — attention on CUDA"):
+    with pytest.warns(UserWarning, match=f"attention not checked — {reason}"):
         guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
         x = torch.randn(4, 32, 32, device="cuda")
         for _ in range(2):
@@ -338,4 +328,28 @@ def test_attention_on_cuda_is_named_in_the_coverage(tmp_path):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     summary = guard.close()
-    assert "CUDA" in summary.coverage["not_covered"]["<root>:attn_fwd"]
+    assert reason in summary.coverage["not_covered"]["<root>:attn_fwd"]
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_triton_kernels_check_padded_bf16_batches_and_confirm_a_fault(tmp_path, monkeypatch):
+    # The routed path as it will run once TRITON_ON_CUDA is on: a bf16 model on the GPU whose SDPA
+    # calls take a padding mask [B, 1, 1, S] — every sampled call on the Triton kernels, no false
+    # alarm in the clean steps, a dq fault confirmed at its site and step, nothing named unchecked.
+    monkeypatch.setattr(attention_op, "TRITON_ON_CUDA", True)
+    torch.manual_seed(0)
+    model = PaddedAttention().cuda().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fault = aegis.FaultSpec(site="<root>:attn_bwd", model="bitflip", bit=27, stage="dq", steps=(20,), row=5, col=3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(fault,)))
+    mask = torch.ones(4, 1, 1, 32, dtype=torch.bool, device="cuda")
+    mask[2:, ..., 20:] = False
+    for _ in range(24):
+        x = torch.randn(4, 32, 32, device="cuda", dtype=torch.bfloat16)
+        model(x, mask).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    summary = guard.close()
+    assert summary.attention_checks == 24 * 2
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(20, "<root>:attn_bwd")]
+    assert summary.false_alarms == 0 and not any(":attn_" in site for site in summary.coverage["not_covered"])

@@ -10,11 +10,13 @@ import math
 
 import pytest
 import torch
+from tests.helpers import Quiet
 
 from aegis_sdc.faults.models import AccumulatorFault
 from aegis_sdc.kernels import attention_reference as ref
 from aegis_sdc.kernels import triton_attention as ta
 from aegis_sdc.kernels.attention_reference import BACKWARD_CHECKS, HeadFault
+from aegis_sdc.ops import checked_attention
 from aegis_sdc.sensors.thresholds import worst_case_bound
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -157,9 +159,8 @@ def test_a_protected_model_on_the_triton_kernels_confirms_faults_and_nothing_els
     from tests.helpers import guard_config, small_workload, train
 
     import aegis_sdc as aegis
-    from aegis_sdc.ops import checked_attention
 
-    monkeypatch.setattr(checked_attention, "kernels_for", lambda q, mask=None, drop=None: (ta.forward, ta.backward))
+    monkeypatch.setattr(checked_attention, "kernels_for", lambda q, dropout_p=0.0: checked_attention.TRITON)
     faults = tuple(
         aegis.FaultSpec(site=f"layers.0.attn:{kind}", model="bitflip", bit=27, stage=stage, steps=(step,), row=5, col=3)
         for kind, stage, step, _ in TRITON_STAGE_FAULTS
@@ -256,3 +257,48 @@ def test_attn_masks_match_the_reference_path(kind):
     hit = ta.backward(q, k, v, got.out, got.lse, do, 0.25, False, fault(2, "dq"), mask=mask)
     row = BACKWARD_CHECKS.index("dq")
     assert float(hit.values[row, 2]) > 1e3 * float(gb.values[row].max())
+
+
+def test_the_op_reads_hugging_face_layouts_gqa_and_a_broadcast_mask_in_place(monkeypatch):
+    # q, k, v as Hugging Face hands them to SDPA ([B, S, H, D] storage transposed to [B, H, S, D]),
+    # 4 query heads over 2 key/value heads, a boolean padding mask [B, 1, 1, Sk]: the op on the
+    # Triton kernels (no expanded copies) against the op on the reference kernels (expanded, mask
+    # materialized): fp32 both, different summation orders — 1e-5 of max|V| for outputs, 4e-5 of the
+    # largest gradient (the tolerances of the mask test above).
+    b, h, hkv, s, d = 2, 4, 2, 40, 16
+    g = torch.Generator().manual_seed(21)
+
+    def hf(heads):
+        return torch.randn(b, s, heads, d, generator=g).to(DEVICE).transpose(1, 2).requires_grad_()
+
+    q, k, v = hf(h), hf(hkv), hf(hkv)
+    dout = torch.randn(b, h, s, d, generator=g).to(DEVICE)
+    keep = torch.ones(b, 1, 1, s, dtype=torch.bool, device=DEVICE)
+    keep[1, ..., 30:] = False  # the second sequence is padded after 30 tokens
+    runs = {}
+    for name, kernels in (("reference", checked_attention.REFERENCE), ("triton", checked_attention.TRITON)):
+        monkeypatch.setattr(checked_attention, "kernels_for", lambda q, dropout_p=0.0, kernels=kernels: kernels)
+        hooks = Quiet()
+        out = checked_attention.checked_attention(q, k, v, hooks=hooks, attn_mask=keep)
+        runs[name] = (out, torch.autograd.grad(out, (q, k, v), dout), hooks.values)
+    (want, want_grads, _), (got, got_grads, values) = runs["reference"], runs["triton"]
+    assert torch.allclose(got, want, atol=1e-5 * float(v.abs().max()), rtol=0)
+    for name, w, x in zip(("dq", "dk", "dv"), want_grads, got_grads, strict=True):
+        assert torch.allclose(x, w, atol=4e-5 * float(w.abs().max()), rtol=0), name
+    assert torch.all(values[False] <= worst_case_bound(s, d)) and torch.all(values[True][0] <= ref.backward_bound(s, s))
+
+
+def test_a_query_row_with_no_key_gives_zeros_and_no_alarm():
+    # An attn_mask that leaves query row 5 no key (SDPA gives NaN there; the reference path refuses
+    # such masks after a host read): the Triton kernels give the row 0 output and 0 gradients and
+    # leave it out of P's row sums, without a host read — clean values stay under their bounds.
+    n, s, d = 2, 32, 16
+    q, k, v, do = operands(n, s, s, d, torch.float32, seed=22)
+    mask = torch.zeros(1, s, s, device=DEVICE)
+    mask[:, 5, :] = float("-inf")
+    fwd = ta.forward(q, k, v, 0.25, False, mask=mask)
+    grads = ta.backward(q, k, v, fwd.out, fwd.lse, do, 0.25, False, mask=mask)
+    assert torch.equal(fwd.out[:, 5], torch.zeros_like(fwd.out[:, 5]))
+    assert torch.equal(grads.dq[:, 5], torch.zeros_like(grads.dq[:, 5]))
+    assert all(bool(torch.isfinite(t).all()) for t in (fwd.out, grads.dq, grads.dk, grads.dv, grads.values))
+    assert torch.all(fwd.values <= worst_case_bound(s, d)) and torch.all(grads.values[0] <= ref.backward_bound(s, s))

@@ -3,9 +3,10 @@
 While a guard is open, `torch.nn.functional.scaled_dot_product_attention` is replaced by `sdpa`
 below. A call is checked when it comes from a module of the protected model (the calling frame's
 `self` or `module`, which names the site: `layers.1.attn:attn_fwd` / `:attn_bwd`), its arguments are
-supported (4-D q, k, v; causal or an `attn_mask` the op takes — padding masks included; dropout;
-`enable_gqa` or equal head counts) and its tensors are on the CPU — on CUDA the Triton kernels are not
-enabled yet (ops/checked_attention.TRITON_ON_CUDA). A call of the model that stays unchecked for
+supported (4-D q, k, v; causal or an `attn_mask` the op takes — padding masks included; dropout on
+the CPU; `enable_gqa` or equal head counts). On CUDA the op runs the Triton kernels
+(ops/checked_attention.TRITON_ON_CUDA; bf16/fp16, head dimension a power of two, no dropout yet);
+while that switch is off, CUDA calls stay unchecked and are named. A call of the model that stays unchecked for
 any of these reasons is named once per module, in a warning and the coverage report
 (`uncovered`): nothing falls back silently. Sampled calls run the checked op; the others, and every
 call from outside the model, keep SDPA and its fastest backend. Inside a checkpointed segment the
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aegis_sdc.kernels import triton_attention
+from aegis_sdc.ops import checked_attention as attention_op
 from aegis_sdc.ops.checked_attention import autocast_inputs, checked_attention, mask_problem
 from aegis_sdc.ops.checked_linear import PlanTracer
 from aegis_sdc.sensors.attention import AttentionPlan, AttentionSensor
@@ -55,13 +58,20 @@ def _live(fn):
 
 
 def unchecked_reason(q, k, attn_mask, dropout_p: float, is_causal: bool) -> str | None:
-    """Why a call of the protected model keeps SDPA unchecked (None: the op takes it)."""
-    if q.is_cuda:
-        return "attention on CUDA (the Triton attention kernels are not enabled yet)"
+    """Why a call of the protected model keeps SDPA unchecked (None: the op takes it). Nothing here
+    reads the device: on CUDA a mask's rows are not inspected (the kernels handle a row with no key)."""
     if not 0.0 <= dropout_p < 1.0:
         return f"dropout_p {dropout_p}"
+    if q.is_cuda:
+        if not attention_op.TRITON_ON_CUDA:
+            return "attention on CUDA (the Triton attention kernels are not enabled yet)"
+        if dropout_p > 0.0:
+            return "attention dropout on CUDA (the Triton attention kernels take no dropout yet)"
+        problem = triton_attention.supported(q, k)
+        if problem is not None:
+            return problem
     if attn_mask is not None:
-        return "attn_mask together with is_causal" if is_causal else mask_problem(attn_mask, q, k)
+        return "attn_mask together with is_causal" if is_causal else mask_problem(attn_mask, q, k, not q.is_cuda)
     return None
 
 

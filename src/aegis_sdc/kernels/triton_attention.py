@@ -131,6 +131,13 @@ def _side_sums(acc_side):
 
 
 @triton.jit
+def _at(head, heads, s_b, s_h):
+    """The offset of flattened head `head` (batch-major, `heads` per batch) in a tensor with batch
+    stride s_b and head stride s_h: [B, H, S, D] views are read in place, whatever their layout."""
+    return (head // heads) * s_b + (head % heads) * s_h
+
+
+@triton.jit
 def _kv_head(head, heads, group):
     """The key/value head of flattened query head `head` (batch-major, `heads` per batch, `group`
     query heads per key/value head): GQA read in place, no expanded copy of K and V."""
@@ -169,6 +176,13 @@ def _block_max(diff, valid):
 
 
 @triton.jit
+def _no_key(lse2):
+    """A saved log-sum-exp with −∞ (a query row an attn_mask leaves no key) as +∞, so that the
+    backward's P = exp2(s − lse) is 0 there rather than NaN: the row's output and gradients are 0."""
+    return tl.where(lse2 == float("-inf"), float("inf"), lse2)
+
+
+@triton.jit
 def _clamp(x, lo, hi):
     return tl.minimum(tl.maximum(x, lo), hi)
 
@@ -176,7 +190,7 @@ def _clamp(x, lo, hi):
 @triton.jit
 def attention_sums_kernel(
     x_ptr, o_ptr, w_ptr, colsum_ptr, colsq_ptr, colmax_ptr, delta_ptr, dmag_ptr,
-    sx_n, sx_s, so_n, so_s, S, sq_scale,
+    sx_b, sx_h, sx_s, so_b, so_h, so_s, heads, S, sq_scale,
     WITH_COLS: tl.constexpr, WITH_O: tl.constexpr, DT: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One pass over rows [BLOCK] of head n of x [N, S, D]: the side operand W [N, S, SIDE] in the
@@ -187,7 +201,8 @@ def attention_sums_kernel(
     rows = pid * BLOCK + tl.arange(0, BLOCK)
     valid = rows < S
     cols = tl.arange(0, D)
-    x = tl.load(x_ptr + n * sx_n + rows[:, None] * sx_s + cols[None, :], mask=valid[:, None], other=0.0)
+    x_ptr += _at(n, heads, sx_b, sx_h)
+    x = tl.load(x_ptr + rows[:, None] * sx_s + cols[None, :], mask=valid[:, None], other=0.0)
     x = x.to(tl.float32)
     total = tl.sum(x, axis=1)
     sq = tl.sum(x * x, axis=1)
@@ -204,21 +219,22 @@ def attention_sums_kernel(
         tl.store(colsq_ptr + slot, tl.sum(sq, axis=0))
         tl.store(colmax_ptr + slot, tl.max(sq, axis=0))
     if WITH_O:
-        o = tl.load(o_ptr + n * so_n + rows[:, None] * so_s + cols[None, :], mask=valid[:, None], other=0.0)
+        o_ptr += _at(n, heads, so_b, so_h)
+        o = tl.load(o_ptr + rows[:, None] * so_s + cols[None, :], mask=valid[:, None], other=0.0)
         prod = x * o.to(tl.float32)
         tl.store(delta_ptr + n * S + rows, tl.sum(prod, axis=1), mask=valid)
         tl.store(dmag_ptr + n * S + rows, tl.sum(tl.abs(prod), axis=1), mask=valid)
 
 
 @triton.jit
-def _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2,
+def _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_q, Sq, Sk, scale2,
             fault_head, fault_row, fault_col, fault_delta, fault_mask,
             HAS_MASK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr):  # fmt: skip
     """The scores of one tile [BM, BN] in base 2: (c·q·kᵀ + mask)·log₂e (and a `qk` fault)."""
     s = tl.dot(q, tl.trans(k)) * scale2
     if HAS_MASK:
         inside = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]
-        bias = tl.load(mask_ptr + head * sm_n + offs_m[:, None] * sm_q + offs_n[None, :], mask=inside, other=0.0)
+        bias = tl.load(mask_ptr + offs_m[:, None] * sm_q + offs_n[None, :], mask=inside, other=0.0)
         s += bias * 1.4426950408889634
     if STAGE == 0:
         s = _fault(s, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
@@ -227,7 +243,7 @@ def _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2,
 
 @triton.jit
 def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, lo, hi, head,
-               mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
+               mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
                MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
                UPCAST: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):  # fmt: skip
@@ -236,7 +252,7 @@ def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, l
         offs_n = start_n + tl.arange(0, BN)
         k = _tile(k_ptr, offs_n, Sk, sk_s, D, EVEN, UPCAST)
         v = _tile(v_ptr, offs_n, Sk, sv_s, D, EVEN, UPCAST)
-        s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2,
+        s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_q, Sq, Sk, scale2,
                     fault_head, fault_row, fault_col, fault_delta, fault_mask, HAS_MASK, MODEL, STAGE)  # fmt: skip
         if MASKED:
             s = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), s, float("-inf"))
@@ -260,8 +276,8 @@ def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, l
 @triton.jit
 def attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, wv_ptr, o_ptr, lse_ptr, check_ptr,  # W of V [Nkv, Sk, SIDE]; check [N, q_blocks, 2]
-    mask_ptr, sm_n, sm_q,  # additive fp32 mask [N or 1, Sq, Sk] (HAS_MASK), its head and row strides
-    sq_n, sq_s, sk_n, sk_s, sv_n, sv_s, so_n, so_s,
+    mask_ptr, sm_b, sm_h, sm_q,  # additive fp32 mask broadcast to [B, H, Sq, Sk] (HAS_MASK): its strides
+    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
     Sq, Sk, scale, sq_unscale, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
@@ -272,14 +288,15 @@ def attention_fwd_kernel(
     head = tl.program_id(1)
     kv_head = _kv_head(head, heads, group)
     offs_m = pid_m * BM + tl.arange(0, BM)
-    q = _tile(q_ptr + head * sq_n, offs_m, Sq, sq_s, D, EVEN, UPCAST)
+    q = _tile(q_ptr + _at(head, heads, sq_b, sq_h), offs_m, Sq, sq_s, D, EVEN, UPCAST)
+    mask_ptr += _at(head, heads, sm_b, sm_h)
     scale2 = scale * 1.4426950408889634
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
     ref = tl.zeros((BM, 16), tl.float32)  # p·W of V: p·(V·1) in three parts, p·‖V‖²
-    k_ptr += kv_head * sk_n
-    v_ptr += kv_head * sv_n
+    k_ptr += _at(kv_head, heads // group, sk_b, sk_h)
+    v_ptr += _at(kv_head, heads // group, sv_b, sv_h)
     wv_ptr += kv_head * Sk * 16
     hi = Sk
     free = Sk  # key blocks below `free` are seen by every row of the block (EVEN only)
@@ -290,16 +307,16 @@ def attention_fwd_kernel(
         free = 0
     if CAUSAL or not EVEN:
         acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, 0, free,
-                                        head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
+                                        head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
                                         fault_delta, fault_mask, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN,
                                         DT, UPCAST, D, BN)  # fmt: skip
         acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, free, hi,
-                                        head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
+                                        head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
                                         fault_delta, fault_mask, True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN,
                                         DT, UPCAST, D, BN)  # fmt: skip
     else:
         acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, 0, hi,
-                                        head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
+                                        head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
                                         fault_delta, fault_mask, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN,
                                         DT, UPCAST, D, BN)  # fmt: skip
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -317,14 +334,14 @@ def attention_fwd_kernel(
         tl.store(slot + 1, tl.sum(tl.where(valid, raw * raw, 0.0), axis=0))
     out = acc / l_safe[:, None]
     cols = tl.arange(0, D)
-    tl.store(o_ptr + head * so_n + offs_m[:, None] * so_s + cols[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=valid[:, None])  # fmt: skip
+    o_ptr += _at(head, heads, so_b, so_h)
+    tl.store(o_ptr + offs_m[:, None] * so_s + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
     tl.store(lse_ptr + head * Sq + offs_m, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, mask=valid)
 
 
 @triton.jit
 def _kv_block(dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, sq_s, sdo_s,
-              offs_n, lo, hi, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2,
+              offs_n, lo, hi, head, mask_ptr, sm_q, Sq, Sk, scale2,
               fault_head, fault_row, fault_col, fault_delta, fault_mask,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
               MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
@@ -334,12 +351,12 @@ def _kv_block(dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_
         offs_m = start_m + tl.arange(0, BM)
         q = _tile(q_ptr, offs_m, Sq, sq_s, D, EVEN, UPCAST)
         do_t = _tile_t(do_ptr, offs_m, Sq, sdo_s, D, EVEN, UPCAST)
-        lse2 = _vector(lse_ptr, offs_m, Sq, EVEN) * 1.4426950408889634
+        lse2 = _no_key(_vector(lse_ptr, offs_m, Sq, EVEN) * 1.4426950408889634)
         delta = _vector(delta_ptr, offs_m, Sq, EVEN)
         s_t = tl.dot(k, tl.trans(q)) * scale2  # Sᵀ [BN, BM]
         if HAS_MASK:
             inside = (offs_m < Sq)[None, :] & (offs_n < Sk)[:, None]
-            bias = tl.load(mask_ptr + head * sm_n + offs_m[None, :] * sm_q + offs_n[:, None], mask=inside, other=0.0)
+            bias = tl.load(mask_ptr + offs_m[None, :] * sm_q + offs_n[:, None], mask=inside, other=0.0)
             s_t += bias * 1.4426950408889634
         if STAGE == 0:
             s_t = _fault(s_t, offs_n, offs_m, head, fault_head, fault_col, fault_row, fault_delta, fault_mask, MODEL)
@@ -367,8 +384,8 @@ def _kv_block(dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_
 @triton.jit
 def attention_bwd_kv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, check_ptr,
-    mask_ptr, sm_n, sm_q,  # W of Q and of dO [N, Sq, SIDE]; check [N, k_blocks, KV_CHECKS]
-    sq_n, sq_s, sk_n, sk_s, sv_n, sv_s, sdo_n, sdo_s,
+    mask_ptr, sm_b, sm_h, sm_q,  # W of Q and of dO [N, Sq, SIDE]; check [N, k_blocks, KV_CHECKS]
+    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
     Sq, Sk, scale, sq_unscale, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
@@ -381,15 +398,16 @@ def attention_bwd_kv_kernel(
     kv_head = _kv_head(head, heads, group)
     offs_n = pid_n * BN + tl.arange(0, BN)
     cols = tl.arange(0, D)
-    k = _tile(k_ptr + kv_head * sk_n, offs_n, Sk, sk_s, D, EVEN, UPCAST)
-    v = _tile(v_ptr + kv_head * sv_n, offs_n, Sk, sv_s, D, EVEN, UPCAST)
+    k = _tile(k_ptr + _at(kv_head, heads // group, sk_b, sk_h), offs_n, Sk, sk_s, D, EVEN, UPCAST)
+    v = _tile(v_ptr + _at(kv_head, heads // group, sv_b, sv_h), offs_n, Sk, sv_s, D, EVEN, UPCAST)
     dk = tl.zeros((BN, D), tl.float32)
     dv = tl.zeros((BN, D), tl.float32)
     dk_ref = tl.zeros((BN, 16), tl.float32)  # dSᵀ·W of Q: dSᵀ·(Q·1) in three parts
     dv_ref = tl.zeros((BN, 16), tl.float32)  # Pᵀ·W of dO: Pᵀ·(dO·1) in three parts, Pᵀ·‖dO‖²
     scale2 = scale * 1.4426950408889634
-    q_ptr += head * sq_n
-    do_ptr += head * sdo_n
+    q_ptr += _at(head, heads, sq_b, sq_h)
+    do_ptr += _at(head, heads, sdo_b, sdo_h)
+    mask_ptr += _at(head, heads, sm_b, sm_h)
     wq_ptr += head * Sq * 16
     wdo_ptr += head * Sq * 16
     lse_ptr += head * Sq
@@ -404,11 +422,11 @@ def attention_bwd_kv_kernel(
     if CAUSAL or not EVEN:
         dk, dv, dk_ref, dv_ref = _kv_block(
             dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, sq_s, sdo_s, offs_n,
-            lo, free, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta,
+            lo, free, head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta,
             fault_mask, True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BM)  # fmt: skip
     dk, dv, dk_ref, dv_ref = _kv_block(
         dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, sq_s, sdo_s, offs_n,
-        free, Sq, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta,
+        free, Sq, head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta,
         fault_mask, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BM)  # fmt: skip
     if STAGE == 2:
         dv = _fault(dv, offs_n, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
@@ -434,7 +452,7 @@ def attention_bwd_kv_kernel(
 
 @triton.jit
 def _q_block(dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m,
-             lo, hi, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2,
+             lo, hi, head, mask_ptr, sm_q, Sq, Sk, scale2,
              fault_head, fault_row, fault_col, fault_delta, fault_mask,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
              MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
@@ -444,7 +462,7 @@ def _q_block(dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr
         offs_n = start_n + tl.arange(0, BN)
         k = _tile(k_ptr, offs_n, Sk, sk_s, D, EVEN, UPCAST)
         v = _tile(v_ptr, offs_n, Sk, sv_s, D, EVEN, UPCAST)
-        s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2,
+        s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_q, Sq, Sk, scale2,
                     fault_head, fault_row, fault_col, fault_delta, fault_mask, HAS_MASK, MODEL, STAGE)  # fmt: skip
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
@@ -471,8 +489,8 @@ def _q_block(dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr
 def attention_bwd_q_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, wk_ptr, vcols_ptr, vsq_ptr, vmax_ptr, lse_ptr, delta_ptr, dmag_ptr, dq_ptr,
     check_ptr,  # W of K [Nkv, Sk, SIDE]; per key block of V: column sums [Nkv, blocks, D], Σ and max of ‖V_k‖²
-    mask_ptr, sm_n, sm_q,  # [Nkv, blocks] (blocks of BN keys); check [N, q_blocks, Q_CHECKS]
-    sq_n, sq_s, sk_n, sk_s, sv_n, sv_s, sdo_n, sdo_s,
+    mask_ptr, sm_b, sm_h, sm_q,  # [Nkv, blocks] (blocks of BN keys); check [N, q_blocks, Q_CHECKS]
+    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
     Sq, Sk, scale, u_out, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
@@ -485,10 +503,11 @@ def attention_bwd_q_kernel(
     kv_head = _kv_head(head, heads, group)
     offs_m = pid_m * BM + tl.arange(0, BM)
     cols = tl.arange(0, D)
-    q = _tile(q_ptr + head * sq_n, offs_m, Sq, sq_s, D, EVEN, UPCAST)
-    do = _tile(do_ptr + head * sdo_n, offs_m, Sq, sdo_s, D, EVEN, UPCAST)
+    q = _tile(q_ptr + _at(head, heads, sq_b, sq_h), offs_m, Sq, sq_s, D, EVEN, UPCAST)
+    do = _tile(do_ptr + _at(head, heads, sdo_b, sdo_h), offs_m, Sq, sdo_s, D, EVEN, UPCAST)
+    mask_ptr += _at(head, heads, sm_b, sm_h)
     valid = offs_m < Sq
-    lse2 = tl.load(lse_ptr + head * Sq + offs_m, mask=valid, other=0.0) * 1.4426950408889634
+    lse2 = _no_key(tl.load(lse_ptr + head * Sq + offs_m, mask=valid, other=0.0) * 1.4426950408889634)
     delta = tl.load(delta_ptr + head * Sq + offs_m, mask=valid, other=0.0)
     scale2 = scale * 1.4426950408889634
     dq = tl.zeros((BM, D), tl.float32)
@@ -496,8 +515,8 @@ def attention_bwd_q_kernel(
     dp_sum = tl.zeros((BM,), tl.float32)
     ds_sum = tl.zeros((BM,), tl.float32)
     p_sum = tl.zeros((BM,), tl.float32)
-    k_ptr += kv_head * sk_n
-    v_ptr += kv_head * sv_n
+    k_ptr += _at(kv_head, heads // group, sk_b, sk_h)
+    v_ptr += _at(kv_head, heads // group, sv_b, sv_h)
     wk_ptr += kv_head * Sk * 16
     hi = Sk
     free = Sk
@@ -509,16 +528,16 @@ def attention_bwd_q_kernel(
     if CAUSAL or not EVEN:
         dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
             dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, 0, free,
-            head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
+            head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
             False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
         dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
             dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, free, hi,
-            head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
+            head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
             True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
     else:
         dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
             dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, 0, hi,
-            head, mask_ptr, sm_n, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
+            head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
             False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
     if STAGE == 5:
         dq = _fault(dq, offs_m, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
@@ -545,6 +564,7 @@ def attention_bwd_q_kernel(
         dq_raw = tl.where(valid, tl.sum(dq, axis=1) - dq_side, 0.0)
         dq_diff = _normalized(dq_raw, tl.maximum(tl.sqrt(tl.sum(dq * dq, axis=1)), tl.sum(tl.abs(dq), axis=1)))
         p_diff = tl.abs(p_sum - 1.0) / (U32 * (Sk + 3.0))  # in units of its bound: at most 1 when correct
+        p_diff = tl.where(lse2 == float("inf"), 0.0, p_diff)  # a row with no key has no P to sum
         slot = check_ptr + (head * tl.num_programs(0) + pid_m) * 7
         tl.store(slot, _block_max(dp_diff, valid))
         tl.store(slot + 1, _block_max(ds_diff, valid))
@@ -684,13 +704,29 @@ def _reference_only(drop: torch.Tensor | None) -> None:
         raise ValueError("the Triton attention kernels take no dropout yet (the reference kernels do)")
 
 
-def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple:
-    """(pointer, head stride, row stride) of an additive mask [N or 1, Sq, Sk] (a stand-in when none)."""
+def _mask_args(mask: torch.Tensor | None, q: torch.Tensor, heads: int) -> tuple:
+    """(pointer, batch, head and row strides) of an additive fp32 mask: [N or 1, Sq, Sk] for flattened
+    operands, or anything that broadcasts to [B, H, Sq, Sk] for 4-D ones — read in place (broadcast
+    dimensions get stride 0), never expanded in memory. A stand-in when there is none."""
     if mask is None:
-        return (q, 0, 0)
-    if mask.dtype != torch.float32 or mask.dim() != 3 or mask.stride(-1) != 1:
-        raise ValueError("the Triton attention kernels take an fp32 mask [N or 1, Sq, Sk] with unit key stride")
-    return (mask, mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1))
+        return (q, 0, 0, 0)
+    if mask.dtype != torch.float32:
+        raise ValueError(f"the Triton attention kernels take an fp32 additive mask, not {mask.dtype}")
+    sq, sk = q.shape[-2], mask.shape[-1]
+    full = mask.expand(*q.shape[:-2], sq, sk) if q.dim() == 4 else mask.expand(q.shape[0], sq, sk)
+    if full.stride(-1) != 1:
+        full = full.contiguous()  # a mask broadcast over the keys (a constant per row): rare, materialized
+    return (full, *_strides(full, heads))
+
+
+def _layout(q: torch.Tensor, k: torch.Tensor, heads: int | None) -> tuple[int, int, int]:
+    """(N flattened query heads, query heads per batch, query heads per key/value head) of flattened
+    [N, S, D] operands (`heads` as given) or [B, H, S, D] views (H from the shape)."""
+    if q.dim() == 4:
+        if k.dim() != 4 or (heads is not None and heads != q.shape[1]):
+            raise ValueError("4-D q takes 4-D k and v [B, Hkv, S, D] (and `heads` equal to its H, or none)")
+        return q.shape[0] * q.shape[1], *_grouping(q.shape[0] * q.shape[1], k.shape[0] * k.shape[1], q.shape[1])
+    return q.shape[0], *_grouping(q.shape[0], k.shape[0], heads)
 
 
 def _grouping(n: int, kv_heads_total: int, heads: int | None) -> tuple[int, int]:
@@ -706,26 +742,32 @@ def _grouping(n: int, kv_heads_total: int, heads: int | None) -> tuple[int, int]
     return heads, heads // kv_heads
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int]:
-    if t.stride(-1) != 1:
+def _strides(t: torch.Tensor, heads: int) -> tuple[int, int, int]:
+    """(batch, head, row) strides of [B, H, S, D] or of flattened [N, S, D] in batches of `heads`."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError("attention operands need a unit stride in the head dimension")
-    return t.stride(0), t.stride(1)
+    if t.dim() == 4:
+        return t.stride(0), t.stride(1), t.stride(2)
+    return heads * t.stride(0), t.stride(0), t.stride(1)
 
 
-def _sums(x: torch.Tensor, block: int = 64, cols: bool = False, o: torch.Tensor | None = None) -> tuple:
-    """The side pass over x [N, S, D] (`attention_sums_kernel`): W [N, S, SIDE] in x's dtype, and with
-    `cols` per block of `block` rows its column sums [N, blocks, D], Σ and max of ‖x_k‖² [N, blocks]
-    (fp32); with `o` (x = dO) D and Σ_d |dO ⊙ O| [N, S]."""
-    n, length, d = x.shape
+def _sums(x: torch.Tensor, heads: int, block: int = 64, cols: bool = False, o: torch.Tensor | None = None) -> tuple:
+    """The side pass over x [N, S, D] or [B, H, S, D] (`attention_sums_kernel`; `heads` per batch):
+    W [N, S, SIDE] in x's dtype, and with `cols` per block of `block` rows its column sums
+    [N, blocks, D], Σ and max of ‖x_k‖² [N, blocks] (fp32); with `o` (x = dO, o = O [N, S, D]) D and
+    Σ_d |dO ⊙ O| [N, S]."""
+    n = x.shape[0] * x.shape[1] if x.dim() == 4 else x.shape[0]
+    length, d = x.shape[-2:]
     blocks = triton.cdiv(length, block)
+    f32 = dict(dtype=torch.float32, device=x.device)
     w = torch.empty(n, length, SIDE, dtype=x.dtype, device=x.device)
-    colsum = torch.empty(n, blocks, d, dtype=torch.float32, device=x.device) if cols else w
-    colsq, colmax = (torch.empty(n, blocks, dtype=torch.float32, device=x.device) if cols else w for _ in range(2))
-    with_o = o is not None
-    delta, dmag = (torch.empty(n, length, dtype=torch.float32, device=x.device) if with_o else w for _ in range(2))
+    colsum = torch.empty(n, blocks, d, **f32) if cols else w
+    colsq, colmax = (torch.empty(n, blocks, **f32) if cols else w for _ in range(2))
+    delta, dmag = (torch.empty(n, length, **f32) if o is not None else w for _ in range(2))
     attention_sums_kernel[(blocks, n)](
-        x, x if o is None else o, w, colsum, colsq, colmax, delta, dmag, *_strides(x), *_strides(x if o is None else o),
-        length, _sq_scale(x.dtype), WITH_COLS=cols, WITH_O=o is not None, DT=_TL_DTYPES[x.dtype], D=d, BLOCK=block,
+        x, x if o is None else o, w, colsum, colsq, colmax, delta, dmag, *_strides(x, heads),
+        *_strides(x if o is None else o, heads), heads, length, _sq_scale(x.dtype),
+        WITH_COLS=cols, WITH_O=o is not None, DT=_TL_DTYPES[x.dtype], D=d, BLOCK=block,
     )  # fmt: skip
     return w, colsum, colsq, colmax, delta, dmag
 
@@ -741,27 +783,30 @@ def _even(sq: int, sk: int, blocks: Blocks) -> bool:
 
 def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None, mask: torch.Tensor | None = None,
             drop: torch.Tensor | None = None, *, heads: int | None = None, check: bool = True) -> Forward:  # fmt: skip
-    """The checked forward of flattened heads (see the module docstring): out [N, Sq, D] (q's dtype),
-    lse [N, Sq] fp32 (natural log), values [N] fp64 and raw_l2 [N] fp64 on the device.
+    """The checked forward (see the module docstring) of flattened heads q [N, Sq, D] or of q
+    [B, H, Sq, D] as it is laid out (a transposed view is read in place): out [N, Sq, D] (q's dtype),
+    lse [N, Sq] fp32 (natural log), values [N] fp64 and raw_l2 [N] fp64 on the device, N = B·H.
 
-    k and v hold N or fewer heads: with `heads` query heads per batch and k [N·Hkv/heads, Sk, D], query
-    head h of a batch reads key/value head h // (heads / Hkv) in place (GQA without an expanded copy).
-    `check=False` runs the same kernel without its checks (values empty: benchmarks). `mask`: an
-    additive fp32 mask [N or 1, Sq, Sk] (not with `causal`); no `drop` yet (the op runs such calls on
-    the reference kernels)."""
+    k and v hold N or fewer heads: with `heads` query heads per batch and k [N·Hkv/heads, Sk, D] (or
+    k [B, Hkv, Sk, D]), query head h of a batch reads key/value head h // (heads / Hkv) in place (GQA
+    without an expanded copy). `check=False` runs the same kernel without its checks (values empty:
+    benchmarks). `mask`: an additive fp32 mask, [N or 1, Sq, Sk] for flattened heads or anything that
+    broadcasts to [B, H, Sq, Sk] (not with `causal`); no `drop` yet (the op runs such calls on the
+    reference kernels)."""
     _reference_only(drop)
-    n, sq, d = q.shape
-    heads, group = _grouping(n, k.shape[0], heads)
-    sk = k.shape[1]
+    n, heads, group = _layout(q, k, heads)
+    sq, d = q.shape[-2:]
+    sk = k.shape[-2]
     cfg = config_for(d).fwd
     q_blocks = triton.cdiv(sq, cfg.block_m)
-    out = torch.empty_like(q)
+    out = torch.empty(n, sq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(n, sq, dtype=torch.float32, device=q.device)
     checks = torch.empty(n, q_blocks, FWD_CHECKS, dtype=torch.float32, device=q.device)
-    wv = _sums(v)[0] if check else q
+    wv = _sums(v, heads // group)[0] if check else q
     model, stage, fargs = _fault_args(fault, False, sq, sk, d)
     attention_fwd_kernel[(q_blocks, n)](
-        q, k, v, wv, out, lse, checks, *_mask_args(mask, q), *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        q, k, v, wv, out, lse, checks, *_mask_args(mask, q, heads), *_strides(q, heads),
+        *_strides(k, heads // group), *_strides(v, heads // group), *_strides(out, heads),
         sq, sk, float(scale), 1.0 / _sq_scale(q.dtype), heads, group, *fargs,
         CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage,
         EVEN=_even(sq, sk, cfg), DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d, **_launch_args(cfg),
@@ -776,19 +821,20 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
 def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None,
              mask: torch.Tensor | None = None, drop: torch.Tensor | None = None, *, heads: int | None = None,
              check: bool = True) -> Backward:  # fmt: skip
-    """The checked backward of flattened heads: dq, dk, dv fp32 (per query head: a GQA group's sum
-    is the caller's), values [len(BACKWARD_CHECKS), N] fp64 and raw_l2 [N] (‖dV·1 − Pᵀ·(dO·1)‖₂) on
-    the device. `heads`, `mask` and `check` as for `forward`."""
+    """The checked backward, operands as for `forward` (dout like q, out and lse as `forward` gave
+    them): dq, dk, dv [N, S, D] fp32 (dk and dv per query head: a GQA group's sum is the caller's),
+    values [len(BACKWARD_CHECKS), N] fp64 and raw_l2 [N] (‖dV·1 − Pᵀ·(dO·1)‖₂) on the device.
+    `heads`, `mask` and `check` as for `forward`."""
     _reference_only(drop)
-    n, sq, d = q.shape
-    heads, group = _grouping(n, k.shape[0], heads)
-    sk = k.shape[1]
+    n, heads, group = _layout(q, k, heads)
+    sq, d = q.shape[-2:]
+    sk = k.shape[-2]
     cfg = config_for(d)
     do = dout if dout.stride(-1) == 1 else dout.contiguous()
-    wdo, _, _, _, delta, dmag = _sums(do, o=out)  # D = rowsum(dO ⊙ O) [N, Sq] with the side operand of dO
+    wdo, _, _, _, delta, dmag = _sums(do, heads, o=out)  # D = rowsum(dO ⊙ O) [N, Sq] with the side operand of dO
     if check:
-        wq, wk = _sums(q)[0], _sums(k)[0]
-        _, vcols, vsq, vmax, _, _ = _sums(v, block=cfg.q.block_n, cols=True)
+        wq, wk = _sums(q, heads)[0], _sums(k, heads // group)[0]
+        _, vcols, vsq, vmax, _, _ = _sums(v, heads // group, block=cfg.q.block_n, cols=True)
     else:
         wq = wk = vcols = vsq = vmax = wdo
     dq = torch.empty(n, sq, d, dtype=torch.float32, device=q.device)
@@ -800,7 +846,8 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
     model, stage, fargs = _fault_args(fault, True, sq, sk, d)
     common = dict(CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage,
                   DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d)  # fmt: skip
-    operands = (*_mask_args(mask, q), *_strides(q), *_strides(k), *_strides(v), *_strides(do))
+    operands = (*_mask_args(mask, q, heads), *_strides(q, heads), *_strides(k, heads // group),
+                *_strides(v, heads // group), *_strides(do, heads))  # fmt: skip
     attention_bwd_kv_kernel[(k_blocks, n)](
         q, k, v, do, wq, wdo, lse, delta, dk, dv, kv_check, *operands, sq, sk, float(scale),
         1.0 / _sq_scale(q.dtype), heads, group, *fargs, EVEN=_even(sq, sk, cfg.kv), **common, **_launch_args(cfg.kv),

@@ -3,13 +3,15 @@ dropout, grouped-query attention) as one autograd Function over the reference ke
 
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H a multiple of Hkv → out [B, H, Sq, D]
 
-Heads are flattened to N = B·H (K and V expanded over each group of query heads) and computed in one
-batched pass; per head the forward and backward checksum values go to the op's hooks (the sensor of
-the calling module): the op knows nothing of thresholds or stores. Unsupported arguments raise
-`ValueError` naming the problem. The kernels (`kernels_for`): CUDA operands the fused Triton kernels
-take (kernels/triton_attention.py: bf16/fp16, head dimension a power of two) will run those once they
-are measured on the GPU (`TRITON_ON_CUDA`), anything else the reference kernels; forward, backward
-and every replay of a call run the same. Protected models keep SDPA on CUDA (integrations/attention.py).
+Heads are indexed flattened, N = B·H, and computed in one batched pass; per head the forward and
+backward checksum values go to the op's hooks (the sensor of the calling module): the op knows
+nothing of thresholds or stores. Unsupported arguments raise `ValueError` naming the problem. The
+kernels (`kernels_for`, `Kernels`): CUDA operands the fused Triton kernels take
+(kernels/triton_attention.py: bf16/fp16, head dimension a power of two, no dropout) run on those when
+`TRITON_ON_CUDA` is set — q, k, v read in place as laid out (GQA and Hugging Face's transposed
+views without copies, the mask in its broadcast shape); anything else runs on the reference kernels
+(flattened heads, K and V expanded over each group). Forward, backward and every replay of a call run
+on the same kernels.
 
 Precision: under autocast, q, k and v are first cast to the autocast dtype, as autocast casts
 SDPA's inputs (it is on autocast's lower-precision list). From there on its arithmetic (the
@@ -21,6 +23,8 @@ training step computed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -35,13 +39,28 @@ from aegis_sdc.kernels.attention_reference import HeadFault, attention_backward,
 TRITON_ON_CUDA = False
 
 
-def kernels_for(q: torch.Tensor, mask: torch.Tensor | None = None, drop: torch.Tensor | None = None) -> tuple[Any, Any]:
-    """(forward, backward) for flattened operands like q: the Triton kernels for CUDA operands they
-    take (with `TRITON_ON_CUDA`; no dropout yet), else the reference path. A call's bits depend on the
-    choice, so replays make it again from the same operands."""
-    if TRITON_ON_CUDA and drop is None and q.is_cuda and triton_attention.supported(q, q) is None:
-        return triton_attention.forward, triton_attention.backward
-    return attention_forward, attention_backward
+@dataclass(frozen=True)
+class Kernels:
+    """A forward and backward pair and the operands it takes: `in_place` kernels read q, k, v
+    [B, H, S, D] as laid out (GQA and transposed views in place, the mask in its broadcast shape);
+    the others take flattened heads [B·H, S, D] with K and V expanded and the mask materialized."""
+
+    forward: Callable[..., Any]
+    backward: Callable[..., Any]
+    in_place: bool
+
+
+REFERENCE = Kernels(attention_forward, attention_backward, in_place=False)
+TRITON = Kernels(triton_attention.forward, triton_attention.backward, in_place=True)
+
+
+def kernels_for(q: torch.Tensor, dropout_p: float = 0.0) -> Kernels:
+    """The kernels for a call on q: the Triton kernels for CUDA operands they take (with
+    `TRITON_ON_CUDA`; no dropout yet), else the reference path. A call's bits depend on the choice:
+    its replays keep the kernels it ran on."""
+    if TRITON_ON_CUDA and dropout_p == 0.0 and q.is_cuda and triton_attention.supported(q, q) is None:
+        return TRITON
+    return REFERENCE
 
 
 class AttentionHooks(Protocol):
@@ -64,11 +83,12 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"checked attention: q, k, v need one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def mask_problem(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> str | None:
+def mask_problem(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, read_rows: bool = True) -> str | None:
     """Why an `attn_mask` cannot be checked (None: it can). Checked: boolean or floating masks that
     broadcast to [B, H, Sq, Sk], need no gradient, and leave every query row at least one key (a row
-    with none is NaN in SDPA; nothing to check). The last reads the mask on the host: the reference
-    path's masked calls only."""
+    with none is NaN in SDPA; nothing to check). The last reads the mask on the host, so only with
+    `read_rows` (the reference path); the Triton kernels give such a row zeros and leave it out of
+    their checks, without a host read."""
     b, h, sq, _ = q.shape
     target = (b, h, sq, k.shape[2])
     if not (mask.dtype == torch.bool or mask.is_floating_point()):
@@ -79,20 +99,29 @@ def mask_problem(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> str | 
         torch.broadcast_shapes(mask.shape, target)
     except RuntimeError:
         return f"an attn_mask of shape {tuple(mask.shape)} for scores {target}"
+    if not read_rows:
+        return None
     keeps = mask if mask.dtype == torch.bool else mask > float("-inf")
     if not bool(keeps.any(dim=-1).all()):
         return "an attn_mask that leaves a query row no key"
     return None
 
 
-def _flat_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """SDPA's attn_mask as the kernels add it: fp32 [B·H, Sq, Sk] (boolean: 0 where kept, −inf not)."""
-    if mask is None:
-        return None
-    b, h, sq, _ = q.shape
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    """SDPA's attn_mask as the kernels add it, in its own (broadcast) shape: fp32, a boolean mask
+    0 where it keeps a key and −inf where not."""
     if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
-    return mask.float().expand(b, h, sq, k.shape[2]).reshape(b * h, sq, k.shape[2])
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.float()
+
+
+def _operands(kernels: Kernels, q, k, v, mask: torch.Tensor | None) -> tuple:
+    """(q, k, v, mask) as `kernels` take them (see `Kernels`)."""
+    if kernels.in_place:
+        return q, k, v, None if mask is None else _additive(mask)
+    b, h, sq, _ = q.shape
+    flat = None if mask is None else _additive(mask).expand(b, h, sq, k.shape[2]).reshape(b * h, sq, k.shape[2])
+    return (*_heads(q, k, v), flat)
 
 
 def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -120,35 +149,40 @@ class CallReplay:
     """What a vTask keeps of one call: its inputs and what training computed from them. The verifier
     reruns the whole call (the same batched shapes, hence the same bits) and compares one head."""
 
-    def __init__(self, head: int, q, k, v, scale, causal, out, lse, dout=None, grads=None, mask=None,
-                 drop=None) -> None:  # fmt: skip
+    def __init__(self, kernels: Kernels, head: int, q, k, v, scale, causal, out, lse, dout=None, grads=None,
+                 mask=None, drop=None) -> None:  # fmt: skip
         def keep(t):
             return None if t is None else t.detach().clone()
 
-        self.head = head
+        self.kernels, self.head = kernels, head
         self.mask, self.drop = keep(mask), keep(drop)
         self.q, self.k, self.v = keep(q), keep(k), keep(v)
         self.scale, self.causal = scale, causal
         self.out, self.lse, self.dout = keep(out), keep(lse), keep(dout)
         self.grads = None if grads is None else tuple(g[head].detach().clone() for g in grads)
 
+    def _of_head(self, t: torch.Tensor) -> torch.Tensor:
+        """The suspect head's slice of an operand: flattened [N, S, D], or [B, H or Hkv, S, D]."""
+        if t.dim() == 3:
+            return t[self.head]
+        batch, head = divmod(self.head, self.q.shape[1])
+        return t[batch, head // (self.q.shape[1] // t.shape[1])]
+
     def inputs_finite(self) -> bool:
-        tensors = [self.q[self.head], self.k[self.head], self.v[self.head]]
+        tensors = [self._of_head(self.q), self._of_head(self.k), self._of_head(self.v)]
         if self.dout is not None:
-            tensors.append(self.dout[self.head])
+            tensors.append(self._of_head(self.dout))
         return all(bool(torch.isfinite(t).all()) for t in tensors)
 
     def saved_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.out[self.head], self.lse[self.head]
 
     def _forward(self):
-        forward = kernels_for(self.q, self.mask, self.drop)[0]
-        return forward(self.q, self.k, self.v, self.scale, self.causal, None, self.mask, self.drop)
+        return self.kernels.forward(self.q, self.k, self.v, self.scale, self.causal, None, self.mask, self.drop)
 
     def _backward(self):
-        backward = kernels_for(self.q, self.mask, self.drop)[1]
-        return backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal, None,
-                        self.mask, self.drop)  # fmt: skip
+        return self.kernels.backward(self.q, self.k, self.v, self.out, self.lse, self.dout, self.scale, self.causal,
+                                     None, self.mask, self.drop)  # fmt: skip
 
     def forward_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         again = self._forward()
@@ -171,34 +205,38 @@ class CheckedAttentionFunction(torch.autograd.Function):
                 dropout_p: float):  # fmt: skip
         b, h = q.shape[:2]
         plan = hooks.plan(b * h)
-        qf, kf, vf = _heads(q, k, v)
+        kernels = kernels_for(q, dropout_p)
+        qf, kf, vf, mask = _operands(kernels, q, k, v, mask)
         drop = None
         if dropout_p > 0.0:  # drawn from the global RNG, once per call (a checkpoint's recomputation restores it)
-            keep = torch.rand(qf.shape[0], qf.shape[1], kf.shape[1], device=q.device) >= dropout_p
+            keep = torch.rand(b * h, q.shape[2], k.shape[2], device=q.device) >= dropout_p
             drop = keep.float() / (1.0 - dropout_p)
-        result = kernels_for(qf, mask, drop)[0](qf, kf, vf, scale, causal, hooks.fault_for(plan, False), mask, drop)
+        result = kernels.forward(qf, kf, vf, scale, causal, hooks.fault_for(plan, False), mask, drop)
         out, lse = result.out, result.lse
-        hooks.observe(plan, False, result.values,
-                      lambda i: CallReplay(i, qf, kf, vf, scale, causal, out, lse, mask=mask, drop=drop))  # fmt: skip
-        ctx.mask, ctx.drop = mask, drop  # fp32 [B·H, Sq, Sk] or None; no gradient
+
+        def replay(i: int) -> CallReplay:
+            return CallReplay(kernels, i, qf, kf, vf, scale, causal, out, lse, mask=mask, drop=drop)
+
+        hooks.observe(plan, False, result.values, replay)
+        ctx.kernels, ctx.mask, ctx.drop = kernels, mask, drop  # the mask as the kernels take it; no gradient
         ctx.save_for_backward(q, k, v, result.out, result.lse)
         ctx.causal, ctx.scale, ctx.hooks, ctx.plan = causal, scale, hooks, plan
-        return result.out.reshape(q.shape)
+        return result.out.view(q.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         b, h = q.shape[:2]
-        qf, kf, vf = _heads(q, k, v)
-        do = dout.reshape(out.shape)
-        mask, drop, scale, causal = ctx.mask, ctx.drop, ctx.scale, ctx.causal
-        backward = kernels_for(qf, mask, drop)[1]
-        result = backward(qf, kf, vf, out, lse, do, scale, causal, ctx.hooks.fault_for(ctx.plan, True), mask, drop)
+        kernels, mask, drop, scale, causal = ctx.kernels, ctx.mask, ctx.drop, ctx.scale, ctx.causal
+        qf, kf, vf, _ = _operands(kernels, q, k, v, None)
+        do = dout if kernels.in_place else dout.reshape(out.shape)
+        fault = ctx.hooks.fault_for(ctx.plan, True)
+        result = kernels.backward(qf, kf, vf, out, lse, do, scale, causal, fault, mask, drop)
         grads = (result.dq, result.dk, result.dv)
 
         def replay(i: int) -> CallReplay:
-            return CallReplay(i, qf, kf, vf, scale, causal, out, lse, do, grads, mask, drop)
+            return CallReplay(kernels, i, qf, kf, vf, scale, causal, out, lse, do, grads, mask, drop)
 
         ctx.hooks.observe(ctx.plan, True, result.values, replay)
         hkv = k.shape[1]
@@ -221,8 +259,8 @@ def checked_attention(q, k, v, *, causal: bool = False, scale: float | None = No
     if attn_mask is not None:
         if causal:
             raise ValueError("checked attention: attn_mask and causal together (SDPA takes one or the other)")
-        problem = mask_problem(attn_mask, q, k)
+        problem = mask_problem(attn_mask, q, k, read_rows=not kernels_for(q, dropout_p).in_place)
         if problem is not None:
             raise ValueError(f"checked attention cannot take {problem}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return CheckedAttentionFunction.apply(q, k, v, causal, scale, hooks, _flat_mask(attn_mask, q, k), float(dropout_p))
+    return CheckedAttentionFunction.apply(q, k, v, causal, scale, hooks, attn_mask, float(dropout_p))
