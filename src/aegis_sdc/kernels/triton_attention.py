@@ -188,6 +188,21 @@ def _clamp(x, lo, hi):
 
 
 @triton.jit
+def _key_range(pid_m, Sq, Sk, CAUSAL: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """(free, hi) for query block pid_m: it visits the keys [0, hi), and the key blocks below `free`
+    are seen by every row of the block, so they need no mask (causal: the band from `free` on does;
+    not EVEN: every block does, for the bounds)."""
+    hi = Sk
+    free = Sk
+    if CAUSAL:
+        hi = tl.minimum(Sk, (pid_m + 1) * BM + Sk - Sq)
+        free = _clamp(tl.maximum(pid_m * BM + Sk - Sq + 1, 0) // BN * BN, 0, hi)
+    if not EVEN:
+        free = 0
+    return free, hi
+
+
+@triton.jit
 def attention_sums_kernel(
     x_ptr, o_ptr, w_ptr, colsum_ptr, colsq_ptr, colmax_ptr, delta_ptr, dmag_ptr,
     sx_b, sx_h, sx_s, so_b, so_h, so_s, heads, S, sq_scale,
@@ -298,13 +313,7 @@ def attention_fwd_kernel(
     k_ptr += _at(kv_head, heads // group, sk_b, sk_h)
     v_ptr += _at(kv_head, heads // group, sv_b, sv_h)
     wv_ptr += kv_head * Sk * 16
-    hi = Sk
-    free = Sk  # key blocks below `free` are seen by every row of the block (EVEN only)
-    if CAUSAL:
-        hi = tl.minimum(Sk, (pid_m + 1) * BM + Sk - Sq)
-        free = _clamp(tl.maximum(pid_m * BM + Sk - Sq + 1, 0) // BN * BN, 0, hi)
-    if not EVEN:
-        free = 0
+    free, hi = _key_range(pid_m, Sq, Sk, CAUSAL, EVEN, BM, BN)
     if CAUSAL or not EVEN:
         acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, 0, free,
                                         head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
@@ -518,13 +527,7 @@ def attention_bwd_q_kernel(
     k_ptr += _at(kv_head, heads // group, sk_b, sk_h)
     v_ptr += _at(kv_head, heads // group, sv_b, sv_h)
     wk_ptr += kv_head * Sk * 16
-    hi = Sk
-    free = Sk
-    if CAUSAL:
-        hi = tl.minimum(Sk, (pid_m + 1) * BM + Sk - Sq)
-        free = _clamp(tl.maximum(pid_m * BM + Sk - Sq + 1, 0) // BN * BN, 0, hi)
-    if not EVEN:
-        free = 0
+    free, hi = _key_range(pid_m, Sq, Sk, CAUSAL, EVEN, BM, BN)
     if CAUSAL or not EVEN:
         dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
             dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, 0, free,
