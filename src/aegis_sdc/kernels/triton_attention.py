@@ -288,7 +288,12 @@ def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, l
     return acc, ref, m_i, l_i
 
 
-@triton.jit
+# A fault's element and bit are runtime values, not specializations: an injection at a new element
+# reuses the compiled variant (Triton would otherwise compile one per value class of each argument).
+_FAULT_INTS = ["fault_head", "fault_row", "fault_col", "fault_mask"]
+
+
+@triton.jit(do_not_specialize=_FAULT_INTS)
 def attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, wv_ptr, o_ptr, lse_ptr, check_ptr,  # W of V [Nkv, Sk, SIDE]; check [N, q_blocks, 2]
     mask_ptr, sm_b, sm_h, sm_q,  # additive fp32 mask broadcast to [B, H, Sq, Sk] (HAS_MASK): its strides
@@ -390,7 +395,7 @@ def _kv_block(dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_
     return dk, dv, dk_ref, dv_ref
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_FAULT_INTS)
 def attention_bwd_kv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, check_ptr,
     mask_ptr, sm_b, sm_h, sm_q,  # W of Q and of dO [N, Sq, SIDE]; check [N, k_blocks, KV_CHECKS]
@@ -494,7 +499,7 @@ def _q_block(dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr
     return dq, dq_ref, dp_sum, ds_sum, p_sum
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_FAULT_INTS)
 def attention_bwd_q_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, wk_ptr, vcols_ptr, vsq_ptr, vmax_ptr, lse_ptr, delta_ptr, dmag_ptr, dq_ptr,
     check_ptr,  # W of K [Nkv, Sk, SIDE]; per key block of V: column sums [Nkv, blocks, D], Σ and max of ‖V_k‖²
