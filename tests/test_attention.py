@@ -343,7 +343,8 @@ def test_on_cuda_the_triton_kernels_check_padded_bf16_batches_and_confirm_a_faul
     fault = aegis.FaultSpec(site="<root>:attn_bwd", model="bitflip", bit=27, stage="dq", steps=(20,), row=5, col=3)
     # every call checked: on CUDA the default 1% budget samples, and this test counts checks
     every_call = aegis.SamplingConfig(probability=1.0)
-    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(fault,), sampling=every_call))
+    config = guard_config(tmp_path, faults=(fault,), sampling=every_call)
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
     mask = torch.ones(4, 1, 1, 32, dtype=torch.bool, device="cuda")
     mask[2:, ..., 20:] = False
     for _ in range(24):
