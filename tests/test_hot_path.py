@@ -110,9 +110,14 @@ def test_a_budget_guard_plans_after_calibration_and_keeps_checking_every_site(tm
     assert guard.budget_plan is not None
     p = guard.plan.probabilities
     assert np.all(p >= 0.1 - 1e-9) and np.all(p <= 1.0)  # rotation floor: once per 10 steps
+    # the attention module is an item of the same plan, under the same floor and its measured cost
+    attention = [s.probability for s in guard.attention_sensors.values()]
+    assert len(attention) == 1 and 0.1 - 1e-9 <= attention[0] <= 1.0
+    assert len(guard.budget_plan.probabilities) == len(p) + 1
     assert guard.budget_plan.expected_ms <= guard.budget_plan.allowed_ms * (1 + 1e-9)
     summary = guard.close()
     assert summary.confirmed == 0
+    assert 0.0 < summary.attention_checked_flops_fraction <= 1.0
 
 
 def test_sampling_config_rejects_a_bad_budget():
@@ -144,7 +149,11 @@ def _gpu_run(tmp_path, *, faults=(), policy="warn", probability=1.0, steps=24):
 
 
 @pytest.mark.gpu
-def test_forward_and_backward_never_synchronize(tmp_path):
+@pytest.mark.parametrize("triton_attention", [False, True])  # attention on SDPA / on the checked Triton kernels
+def test_forward_and_backward_never_synchronize(tmp_path, monkeypatch, triton_attention):
+    from aegis_sdc.ops import checked_attention
+
+    monkeypatch.setattr(checked_attention, "TRITON_ON_CUDA", triton_attention)
     model, optimizer, guard, batches = _gpu_run(tmp_path)
     for i, (x, y) in enumerate(batches):
         if i >= 18:  # calibrated: checked calls with evidence, every GEMM
@@ -156,7 +165,10 @@ def test_forward_and_backward_never_synchronize(tmp_path):
             torch.cuda.set_sync_debug_mode(0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    assert guard.close().confirmed == 0
+    summary = guard.close()
+    assert summary.confirmed == 0 and summary.false_alarms == 0
+    calls = 2 * GPU_CFG.n_layers * len(batches)  # forward and backward of each layer, every step (probability 1)
+    assert summary.attention_checks == (calls if triton_attention else 0)
 
 
 def _calibrated_linear(tmp_path):

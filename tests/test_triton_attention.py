@@ -89,6 +89,41 @@ def test_a_call_replays_bit_for_bit():
         assert torch.equal(getattr(grads[0], name), getattr(grads[1], name)), name
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_head_copy_replays_the_heads_bits(causal):
+    # The Triton path chooses an alarmed call's suspect head on the device and keeps a copy of that
+    # head alone (a one-head problem, ops/checked_attention.CallContext.head_copy). Its replay must
+    # compute the batched call's bits for that head exactly — outputs, lse, gradients, every check
+    # value — or a clean alarm would end a false confirmation. Hugging Face's transposed layout,
+    # GQA (4 query over 2 key/value heads) and a padding mask [B, 1, 1, Sk] (not with causal).
+    b, h, hkv, s, d = 2, 4, 2, 48, 32
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 is wrong
+    g = torch.Generator().manual_seed(31)
+
+    def hf(heads):
+        return torch.randn(b, s, heads, d, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+
+    q, k, v, dout = hf(h), hf(hkv), hf(hkv), hf(h)
+    mask = None
+    if not causal:
+        mask = torch.zeros(b, 1, 1, s, device=DEVICE)
+        mask[1, ..., 40:] = float("-inf")
+    fwd = ta.forward(q, k, v, 0.2, causal, mask=mask)
+    bwd = ta.backward(q, k, v, fwd.out, fwd.lse, dout, 0.2, causal, mask=mask)
+    grads = (bwd.dq, bwd.dk, bwd.dv)
+    context = checked_attention.CallContext(checked_attention.TRITON, q, k, v, 0.2, causal, fwd.out, fwd.lse, dout,
+                                            grads, mask)  # fmt: skip
+    assert context.deferred
+    for head in (0, 3, 6):  # batch 0 and 1; heads of both key/value groups
+        replay = context.head_copy(torch.tensor([head], device=DEVICE))
+        want = (fwd.out[head], fwd.lse[head], *(g[head] for g in grads))
+        got = (*replay.forward_outputs(), *replay.backward_outputs())
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        assert torch.equal(replay.check_values(False), fwd.values[head : head + 1])
+        assert torch.equal(replay.check_values(True), bwd.values[:, head])
+        assert replay.inputs_finite()
+
+
 # Which check each fault stage must move (the reference path's rows): forward for qk/softmax/pv in
 # the forward pass; in backward the P rows (reported as dv) for qk/softmax, dv for pv, and the
 # stage's own check for dp, ds, dq, dk.

@@ -107,8 +107,10 @@ class SamplingConfig:
     - `budget`: instead of a fixed probability, keep the cost of checking under this fraction of the
       step (0.01 = 1%). After calibration, each site's extra cost per check is timed on the device
       (checked kernel against the unchecked one, at the site's shape) and the step time is measured
-      on a few unsampled steps; the plan then checks as many GEMM FLOPs per step as fit, most FLOPs
-      per millisecond first, and re-plans every `replan_steps` steps from what the plan really cost
+      on a few unsampled steps; the plan then checks as many GEMM and attention FLOPs per step as
+      fit (an attention module's calls are items of the same plan, timed checked against SDPA's
+      default backend), most FLOPs per millisecond first, and re-plans every `replan_steps` steps
+      from what the plan really cost
       (runtime/budget.py). ``"auto"`` (the default) is a 1% budget for a model on CUDA when no
       `probability` is given, and no budget (every call checked) on the CPU reference path. Why 1%
       on the GPU: measured on the H200 with HF Llama at the TinyLlama-1.1B shape (docs/hot-path.md),

@@ -63,7 +63,7 @@ from aegis_sdc.integrations.checkpointing import RecomputeChecker, SavedTensorCh
 from aegis_sdc.integrations.modules import LinearFilter, restore_linears, select_linears, swap_linears
 from aegis_sdc.kernels.reference import Tiling
 from aegis_sdc.ops.checked_linear import LinearHooks, PlanTracer
-from aegis_sdc.ops.cost import check_cost_ms
+from aegis_sdc.ops.cost import attention_check_cost_ms, check_cost_ms
 from aegis_sdc.ops.fingerprint import FingerprintPool
 from aegis_sdc.ops.triton_linear import DeviceState
 from aegis_sdc.response.policies import Responder
@@ -109,6 +109,7 @@ class GuardSummary:
     unattributed: int = 0  # proven corruptions no majority or replay pins on one device (collectives)
     data_false_alarms: int = 0  # false alarms on unusual data: thresholds left alone
     checked_flops_fraction: float = 0.0  # of all GEMM FLOPs run while protected, the checked share
+    attention_checked_flops_fraction: float = 0.0  # of the FLOPs of the attention calls the op takes
 
     @property
     def false_alarm_rate(self) -> float:
@@ -200,11 +201,11 @@ class Guard:
         self.store = Store(rank_db_path(self.run_dir, self.identity.rank))
         self._next_vtask = 1 + (self.store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM vtasks").fetchone()[0])
         self._next_incident = 1 + (self.store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM incidents").fetchone()[0])
+        self.attention_records: list[AttentionRecord] = []
+        self.attention_sensors: dict[str, AttentionSensor] = {}
         self._swaps = swap_linears(model, chosen, self._make_hooks)
         self._begin_plan()
         self._setup_fingerprints(model, config)
-        self.attention_records: list[AttentionRecord] = []
-        self.attention_sensors: dict[str, AttentionSensor] = {}
         self._false_alarm_handlers: dict[int, Callable[[Evidence], None]] = {}
         self.uncovered_attention: dict[str, str] = {}  # module → why its attention runs unchecked
         self._router = (
@@ -412,7 +413,12 @@ class Guard:
             unattributed=c[VerdictKind.UNATTRIBUTED.value],
             data_false_alarms=sum(s.data_false_alarms for s in self.sensors),
             checked_flops_fraction=c["checked_flops"] / c["gemm_flops"] if c["gemm_flops"] else 0.0,
+            attention_checked_flops_fraction=self._attention_checked_fraction(),
         )
+
+    def _attention_checked_fraction(self) -> float:
+        total = sum(s.flops["total"] for s in self.attention_sensors.values())
+        return sum(s.flops["checked"] for s in self.attention_sensors.values()) / total if total else 0.0
 
     def _coverage(self) -> dict[str, Any]:
         coverage = self.fingerprints.coverage()
@@ -468,7 +474,10 @@ class Guard:
         calibrating = np.fromiter((s.row.calibrating for s in self.sensors), dtype=bool, count=len(self.sensors))
         quiet = False
         if self.budget is not None:
-            quiet = self._plan_budget(bool(calibrating.any()))
+            attention_calibrating = any(s.calibrating for s in self.attention_sensors.values())
+            quiet = self._plan_budget(bool(calibrating.any()) or attention_calibrating)
+        for sensor in self.attention_sensors.values():
+            sensor.quiet = quiet
         faulted = None
         if self.injector:
             faulted = np.fromiter((self.injector.may_fire(s.site, step) for s in self.sensors), dtype=bool)
@@ -480,20 +489,42 @@ class Guard:
         budget; the cycle repeats every `replan_steps` steps. True: this step samples nothing."""
         phase = self.budget.step_begins(calibrating)
         if self.budget.due():
-            costs = np.array([self._check_cost(s) for s in self.sensors])
-            flops = np.array([s.flops for s in self.sensors])
-            calls = np.repeat(np.asarray(self._last_calls or [1] * self.plan.linears, dtype=np.float64),
-                              GEMMS_PER_LINEAR)  # fmt: skip
-            caps = np.array([self.sampler.probability_for(s.site.name, 1.0) for s in self.sensors])
+            # one knapsack over the GEMM sites and the attention modules (a call's forward and
+            # backward are checked together), each at its measured cost per check
+            attention = list(self.attention_sensors.values())
+            costs = np.array([self._check_cost(s) for s in self.sensors] + [self._attention_cost(s) for s in attention])
+            flops = np.array([s.flops for s in self.sensors] + [s.call_flops for s in attention])
+            calls = np.concatenate((
+                np.repeat(np.asarray(self._last_calls or [1] * self.plan.linears, dtype=np.float64), GEMMS_PER_LINEAR),
+                np.asarray([s.calls_last_step for s in attention], dtype=np.float64),
+            ))  # fmt: skip
+            caps = np.array([self.sampler.probability_for(s.site.name, 1.0) for s in self.sensors]
+                            + [self.sampler.probability_for(s.forward_site.name, 1.0) for s in attention])  # fmt: skip
             plan = self.budget.replan(flops, calls, costs, caps)
             if plan is not None:
-                self.plan.set_probabilities(plan.probabilities)
+                gemms = len(self.sensors)
+                self.plan.set_probabilities(plan.probabilities[:gemms])
+                for sensor, probability in zip(attention, plan.probabilities[gemms:], strict=True):
+                    sensor.probability = float(probability)
+                work = np.maximum(calls, 1.0) * flops
+                fractions = [
+                    float((plan.probabilities[part] * work[part]).sum() / work[part].sum()) if work[part].sum() else 0.0
+                    for part in (slice(0, gemms), slice(gemms, None))
+                ]  # fmt: skip
                 self._pending_events.append(
                     ("sampling_plan", f"budget {self.budget.budget:.2%} of a {self.budget.base_ms:.1f} ms step: "
                      f"{plan.expected_ms:.2f} ms of checks (cost model × {self.budget.scale:.2f}), "
-                     f"{plan.checked_flops_fraction:.1%} of GEMM FLOPs", None)
+                     f"{fractions[0]:.1%} of GEMM FLOPs, {fractions[1]:.1%} of attention FLOPs", None)
                 )  # fmt: skip
         return phase == "quiet"
+
+    def _attention_cost(self, sensor: AttentionSensor) -> float:
+        if sensor.shape is None:
+            return 0.0  # never called (or never checkable): nothing to time
+        key = ("attention", *sensor.shape)
+        if key not in self._check_costs:
+            self._check_costs[key] = attention_check_cost_ms(*sensor.shape, self._device)
+        return self._check_costs[key]
 
     @property
     def budget_plan(self) -> BudgetPlan | None:

@@ -150,7 +150,7 @@ class AttentionRouter:
             return checked_attention(q, k, v, causal=is_causal, scale=scale, attn_mask=attn_mask, dropout_p=dropout_p,
                                      hooks=_PlannedHooks(sensor, silent, q.shape[1]))  # fmt: skip
         sensor = self.sensor_for(name)
-        plan = sensor.plan(query.shape[0] * query.shape[1], query.shape[2], key.shape[2], query.shape[3])
+        plan = sensor.plan(q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, is_causal)
         self.tracer.record(None if plan is None else (sensor, plan))
         if plan is None:
             return fallback()

@@ -147,19 +147,20 @@ def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 class CallReplay:
     """What a vTask keeps of one call: its inputs and what training computed from them. The verifier
-    reruns the whole call (the same batched shapes, hence the same bits) and compares one head."""
+    reruns the whole call (the same batched shapes, hence the same bits) and compares one head.
+    `copy=False`: the tensors are the replay's own already (`CallContext.head_copy`)."""
 
     def __init__(self, kernels: Kernels, head: int, q, k, v, scale, causal, out, lse, dout=None, grads=None,
-                 mask=None, drop=None) -> None:  # fmt: skip
-        def keep(t):
-            return None if t is None else t.detach().clone()
+                 mask=None, drop=None, *, copy: bool = True) -> None:  # fmt: skip
+        def keep(t):  # the call's own tensors are reused by later ops: a replay keeps copies
+            return t.detach().clone() if copy and t is not None else t
 
         self.kernels, self.head = kernels, head
         self.mask, self.drop = keep(mask), keep(drop)
         self.q, self.k, self.v = keep(q), keep(k), keep(v)
         self.scale, self.causal = scale, causal
         self.out, self.lse, self.dout = keep(out), keep(lse), keep(dout)
-        self.grads = None if grads is None else tuple(g[head].detach().clone() for g in grads)
+        self.grads = None if grads is None else tuple(keep(g[head]) for g in grads)
 
     def _of_head(self, t: torch.Tensor) -> torch.Tensor:
         """The suspect head's slice of an operand: flattened [N, S, D], or [B, H or Hkv, S, D]."""
@@ -199,6 +200,52 @@ class CallReplay:
         return again.dq[self.head], again.dk[self.head], again.dv[self.head]
 
 
+class CallContext:
+    """What the op hands its hooks for one pass of a call, to replay a head of it later.
+
+    Called with a head index (an int: the reference path, whose values are on the host), it keeps a
+    copy of the whole call (`CallReplay`). With `deferred` (the Triton kernels: values on the
+    device, read at the step's end), the suspect head is chosen on the device and `head_copy` copies
+    just that head's operands and results — a one-head problem [1, 1, S, D] whose replay computes
+    the head's bits (each head's programs read only that head) — with no host read."""
+
+    def __init__(self, kernels: Kernels, q, k, v, scale: float, causal: bool, out, lse, dout=None, grads=None,
+                 mask=None, drop=None) -> None:  # fmt: skip
+        self.kernels, self.deferred = kernels, kernels.in_place
+        self.q, self.k, self.v, self.out, self.lse, self.dout = q, k, v, out, lse, dout
+        self.scale, self.causal, self.grads, self.mask, self.drop = scale, causal, grads, mask, drop
+
+    def __call__(self, head: int) -> CallReplay:
+        return CallReplay(self.kernels, head, self.q, self.k, self.v, self.scale, self.causal, self.out, self.lse,
+                          self.dout, self.grads, self.mask, self.drop)  # fmt: skip
+
+    def head_copy(self, head: torch.Tensor) -> CallReplay:
+        """A replay of flattened head `head` (int64 [1] on the device) of in-place operands: q, k, v,
+        dO [B, H or Hkv, S, D]; out, lse, gradients per query head [N, ...]; the mask in its
+        broadcast shape (only its non-broadcast dimensions indexed)."""
+        if self.drop is not None:
+            raise ValueError("a head copy takes no dropout mask (the in-place kernels take none)")
+        heads = self.q.shape[1]
+        batch, within = head // heads, head % heads  # [1] each, on the device
+        group = heads // self.k.shape[1]
+
+        def one(t: torch.Tensor, kv: bool = False) -> torch.Tensor:  # [B, H, S, D] → [1, 1, S, D]
+            return t[batch, within // group if kv else within].unsqueeze(0)
+
+        def flat(t: torch.Tensor) -> torch.Tensor:  # [N, ...] → [1, ...]
+            return t.index_select(0, head)
+
+        mask = self.mask
+        if mask is not None:
+            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+            zero = head * 0
+            mask = mask[batch if mask.shape[0] > 1 else zero, within if mask.shape[1] > 1 else zero].unsqueeze(0)
+        dout = None if self.dout is None else one(self.dout)
+        grads = None if self.grads is None else tuple(flat(g) for g in self.grads)
+        return CallReplay(self.kernels, 0, one(self.q), one(self.k, True), one(self.v, True), self.scale, self.causal,
+                          flat(self.out), flat(self.lse), dout, grads, mask, copy=False)  # fmt: skip
+
+
 class CheckedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks, mask: torch.Tensor | None,
@@ -214,10 +261,8 @@ class CheckedAttentionFunction(torch.autograd.Function):
         result = kernels.forward(qf, kf, vf, scale, causal, hooks.fault_for(plan, False), mask, drop)
         out, lse = result.out, result.lse
 
-        def replay(i: int) -> CallReplay:
-            return CallReplay(kernels, i, qf, kf, vf, scale, causal, out, lse, mask=mask, drop=drop)
-
-        hooks.observe(plan, False, result.values, replay)
+        hooks.observe(plan, False, result.values, CallContext(kernels, qf, kf, vf, scale, causal, out, lse, mask=mask,
+                                                              drop=drop))  # fmt: skip
         ctx.kernels, ctx.mask, ctx.drop = kernels, mask, drop  # the mask as the kernels take it; no gradient
         ctx.save_for_backward(q, k, v, result.out, result.lse)
         ctx.causal, ctx.scale, ctx.hooks, ctx.plan = causal, scale, hooks, plan
@@ -235,10 +280,8 @@ class CheckedAttentionFunction(torch.autograd.Function):
         result = kernels.backward(qf, kf, vf, out, lse, do, scale, causal, fault, mask, drop)
         grads = (result.dq, result.dk, result.dv)
 
-        def replay(i: int) -> CallReplay:
-            return CallReplay(kernels, i, qf, kf, vf, scale, causal, out, lse, do, grads, mask, drop)
-
-        ctx.hooks.observe(ctx.plan, True, result.values, replay)
+        context = CallContext(kernels, qf, kf, vf, scale, causal, out, lse, do, grads, mask, drop)
+        ctx.hooks.observe(ctx.plan, True, result.values, context)
         hkv = k.shape[1]
         # GQA: each key/value head's gradient is the sum over its group of query heads (fp32, fixed order)
         dk = result.dk.reshape(b, hkv, h // hkv, *k.shape[2:]).sum(dim=2)

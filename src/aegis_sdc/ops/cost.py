@@ -96,3 +96,44 @@ def check_cost_ms(
             checked_gemm(a_log, b_log, out_dtype=dtype, col_check=col_check, tiling=tiling)
 
     return max(0.0, _median_ms(checked, device) + extra - plain) * tokens / timed
+
+
+ATTENTION_TIMED_FLOPS = 1 << 36  # per timed call: a few milliseconds on a GPU; larger calls scale by heads
+
+
+class _TimedHooks:
+    """Hooks that check every call and keep nothing: the op's own cost."""
+
+    def plan(self, heads: int) -> object:
+        return object()
+
+    def fault_for(self, plan: object, backward: bool) -> None:
+        return None
+
+    def observe(self, plan: object, backward: bool, values: torch.Tensor, capture: object) -> None:
+        return None
+
+
+def attention_check_cost_ms(
+    heads: int, queries: int, keys: int, dim: int, dtype: torch.dtype, causal: bool, device: torch.device
+) -> float:
+    """Milliseconds a checked attention call (forward and backward, ops/checked_attention.py on the
+    kernels it would run) adds over SDPA's default backend, timed on random operands [1, heads, S, D]
+    — at most ATTENTION_TIMED_FLOPS per call, scaled by heads (each head costs alike)."""
+    from aegis_sdc.ops.checked_attention import checked_attention
+    from aegis_sdc.sensors.attention import attention_flops
+
+    timed = max(1, min(heads, int(ATTENTION_TIMED_FLOPS // max(attention_flops(1, queries, keys, dim, causal), 1))))
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, dout = (torch.randn(1, timed, queries, dim, generator=gen, device=device).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, timed, keys, dim, generator=gen, device=device).to(dtype) for _ in range(2))
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    sdpa = torch._C._nn.scaled_dot_product_attention  # SDPA itself, whatever a guard patched over it
+    hooks = _TimedHooks()
+
+    def step(attention: Callable[..., torch.Tensor]) -> Callable[[], object]:
+        return lambda: torch.autograd.grad(attention(*inputs), inputs, dout)
+
+    plain = _median_ms(step(lambda q, k, v: sdpa(q, k, v, is_causal=causal)), device)
+    checked = _median_ms(step(lambda q, k, v: checked_attention(q, k, v, causal=causal, hooks=hooks)), device)
+    return max(0.0, checked - plain) * heads / timed

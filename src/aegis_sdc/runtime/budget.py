@@ -1,8 +1,9 @@
 """Sampling to an overhead budget (AEGIS §6): which sites to check, and how often, for a step that
 may grow by at most `budget` × its unprotected time.
 
-Given per site its FLOPs per call f, calls per step c and the measured cost of one check e (ms,
-ops/cost.py), choose probabilities p to maximize the checked FLOPs Σ p·c·f subject to
+Given per site (a GEMM site, or an attention module: forward and backward of a call together) its
+FLOPs per call f, calls per step c and the measured cost of one check e (ms, ops/cost.py), choose
+probabilities p to maximize the checked FLOPs Σ p·c·f subject to
 Σ p·c·e ≤ budget × step time and p_floor ≤ p ≤ cap. That is a fractional knapsack: after every
 site's rotation floor (checked about once per `rotation_steps` steps), sites are raised to their
 cap in order of FLOPs per millisecond of check, the last one partly. If even the floors do not fit,
@@ -26,7 +27,7 @@ class BudgetPlan:
     probabilities: np.ndarray  # [sites]
     allowed_ms: float  # checking time the plan may spend per step
     expected_ms: float  # what it is expected to spend
-    checked_flops_fraction: float  # expected share of the step's GEMM FLOPs checked
+    checked_flops_fraction: float  # expected share of the planned FLOPs (GEMM sites, attention modules) checked
 
 
 def plan_budget(

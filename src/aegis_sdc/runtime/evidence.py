@@ -1,7 +1,8 @@
 """One step's evidence, from the device to the host in one read that nothing waits for.
 
 `collect` takes what the step recorded — per checked GEMM an evidence slot (Triton: int64 [8] on the
-device; reference path: float64 [9] on the CPU), per collective its largest mismatch, the
+device; reference path: float64 [9] on the CPU), per attention check on the Triton kernels its
+maxima and suspect head (sensors/attention.py), per collective its largest mismatch, the
 fingerprints — packs the device tensors into one transfer to pinned memory, and can derive on the
 device the step's alarm flag (the optimizer gate, runtime/gate.py). `read` waits for the transfer
 and decodes each slot into the evidence layout the sensors judge (sensors/gemm.py).
@@ -32,6 +33,7 @@ class Collected:
     transfer: PendingTransfer | None = None
     reference: tuple[int, ...] = ()  # records on the reference path (evidence already on the host)
     triton: tuple[int, ...] = ()  # records of Triton launches (evidence slots on the device)
+    deferred_attention: tuple[AttentionRecord, ...] = ()  # attention checks whose values are on the device
     has_comm: bool = False
     n_evidence: int = 0  # tensors in the transfer before the fingerprint buffers
     gate: torch.Tensor | None = None  # float32 [] on the device: 1 when any check alarmed
@@ -52,17 +54,24 @@ def collect(
     collected = Collected(step, records, comm_records, fp_records, attention)
     collected.reference = tuple(i for i, r in enumerate(records) if r.raw is None)
     collected.triton = tuple(i for i, r in enumerate(records) if r.raw is not None)
-    wanted = []
+    wanted, alarm_flags = [], []
     if collected.reference:
         wanted.append(torch.stack([records[i].stats for i in collected.reference]))
     if collected.triton:
         raw = torch.stack([records[i].raw for i in collected.triton])  # [calls, 8] int64
         wanted.append(raw)
-        if gate:
-            alarmed = (raw[:, ST_ALARM] != 0).any()
-            if comm_ratios is not None:
-                alarmed = alarmed | (comm_ratios.to(raw.device) > 1.0).any()
-            collected.gate = alarmed.float()  # 0-dim, as fused optimizers expect (their step counts are)
+        alarm_flags.append((raw[:, ST_ALARM] != 0).any())
+    collected.deferred_attention = tuple(r for r in attention if r.pending is not None)
+    if collected.deferred_attention:  # [Σ (checks + 1)] float64: per call its maxima and suspect head
+        wanted.append(torch.cat([r.pending.packed for r in collected.deferred_attention]))
+        alarm_flags.append(torch.stack([r.pending.alarm for r in collected.deferred_attention]).any())
+    if gate and alarm_flags:
+        alarmed = alarm_flags[0]
+        for flag in alarm_flags[1:]:
+            alarmed = alarmed | flag
+        if comm_ratios is not None:
+            alarmed = alarmed | (comm_ratios.to(alarmed.device) > 1.0).any()
+        collected.gate = alarmed.float()  # 0-dim, as fused optimizers expect (their step counts are)
     if comm_ratios is not None:
         wanted.append(comm_ratios)
         collected.has_comm = True
@@ -84,5 +93,11 @@ def read(collected: Collected, fingerprint_pool: FingerprintPool) -> tuple[list[
     if collected.triton:
         for i, row in zip(collected.triton, host.pop(0).tolist(), strict=True):
             synced[i] = records[i].finish_triton(row)
+    if collected.deferred_attention:
+        flat, start = host.pop(0).tolist(), 0
+        for record in collected.deferred_attention:
+            end = start + record.pending.packed.numel()
+            record.finish(flat[start:end])
+            start = end
     comm_values = host.pop(0).tolist() if collected.has_comm else []
     return synced, comm_values  # type: ignore[return-value]

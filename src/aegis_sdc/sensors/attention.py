@@ -4,7 +4,11 @@ GEMM sensors' adaptive thresholds, one per check: their noise differs, and a sha
 set every check's sensitivity by the noisiest.
 
 A call's evidence is its largest normalized difference over the (batch, head) pairs; an alarm keeps
-that head's inputs and results (`ops.checked_attention.HeadReplay`). The verdict replays the head
+that head's inputs and results (`ops.checked_attention.CallContext`). On the reference path the
+values are on the host and read at the call. From the Triton kernels they stay on the device: the
+call's suspect head (largest value over threshold) is chosen there and copied, its per-check maxima
+and index join the step's one read (runtime/evidence.py), and `AttentionRecord.finish` decides at
+the step's end — no host read per call. The verdict replays the head
 twice with the same code: forward alarms replay the forward; backward alarms replay the forward
 first (a wrong score or normalizer in forward shows up as a wrong saved lse, which the backward
 check catches), then the backward. A replay that reproduces every bit is a false alarm.
@@ -14,6 +18,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from aegis_sdc.config import ThresholdConfig
 from aegis_sdc.events import Channel, Evidence, Site, VerdictKind, WrongExecution
@@ -46,6 +53,19 @@ class AttentionRecord:
     head: int
     heads_per_batch: int
     capture: AttentionCapture | None
+    pending: DeferredCheck | None = None  # Triton path: the values are still on the device
+
+    def finish(self, row: list[float]) -> None:
+        """Fill in a deferred record from its row of the step's read: [maxima per check…, head]."""
+        pending, self.pending = self.pending, None
+        maxima, self.head = tuple(row[:-1]), int(row[-1])
+        ratios = [m / max(t, 1e-300) if not math.isnan(m) else math.inf
+                  for m, t in zip(maxima, pending.thresholds, strict=True)]  # fmt: skip
+        self.values, self.check = maxima, max(range(len(maxima)), key=ratios.__getitem__)
+        if ratios[self.check] > 1.0:
+            batch, within = divmod(self.head, self.heads_per_batch)
+            self.capture = AttentionCapture(pending.replay, pending.backward, batch, within, pending.head_values)
+            pending.alarmed_check[(self.step, self.call, pending.backward)] = self.check
 
     @property
     def value(self) -> float:
@@ -54,6 +74,19 @@ class AttentionRecord:
     @property
     def threshold(self) -> float:
         return self.states[self.check].current
+
+
+@dataclass(eq=False)
+class DeferredCheck:
+    """A Triton call's check, decided at the step's end (see the module docstring)."""
+
+    packed: Any  # float64 [checks + 1] on the device: each check's largest value over the heads, the head
+    alarm: Any  # bool [] on the device: a check over its threshold (the optimizer gate reads it)
+    thresholds: tuple[float, ...]  # what the device compared against
+    replay: Any  # the suspect head's copy (CallContext.head_copy)
+    head_values: Any  # float64 [checks]: that head's values
+    backward: bool
+    alarmed_check: dict  # the sensor's (step, call, backward) → check, for a false alarm's threshold
 
 
 class AttentionCapture:
@@ -105,13 +138,18 @@ class AttentionCapture:
 
 def _same(a, b) -> bool:
     """Bit for bit (NaN patterns included: `torch.equal` calls NaN unequal to itself)."""
-    import torch
-
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
     return all(
         torch.equal(x.contiguous().view(ints[x.element_size()]), y.contiguous().view(ints[y.element_size()]))
         for x, y in zip(a, b, strict=True)
     )
+
+
+def attention_flops(heads: int, queries: int, keys: int, dim: int, causal: bool) -> float:
+    """Matmul FLOPs of one call, forward and backward: QKᵀ and P·V forward (2 · 2·Sq·Sk·D per head),
+    and in backward the scores again, dV, dP, dQ and dK (5 such products); half of it under a
+    causal mask."""
+    return 7 * 2.0 * heads * queries * keys * dim * (0.5 if causal else 1.0)
 
 
 class AttentionSensor:
@@ -128,20 +166,37 @@ class AttentionSensor:
         }
         self._alarmed_check: dict[tuple[int, int, bool], int] = {}  # (step, call, backward) → check
         self.sampler = sampler
+        # the chance that a call is checked: the sampler's rule, or the budget's plan (the guard sets it)
         self.probability = sampler.probability_for(self.forward_site.name)
+        self.quiet = False  # a step the budget measures unsampled: only calibration checks
+        self.shape: tuple | None = None  # the last call's (heads, queries, keys, dim, dtype, causal)
+        self.call_flops = 0.0  # the last call's forward and backward FLOPs
+        self.calls_last_step = 0
+        self.flops = {"total": 0.0, "checked": 0.0}  # over every call planned
         self.injector = injector
         self.clock = clock
         self.records = records
         self._call_step, self._calls = -1, 0
+        self._thresholds_on_device: dict[bool, tuple] = {}  # backward? → (thresholds, float64 [checks, 1])
 
     def site(self, backward: bool) -> Site:
         return self.backward_site if backward else self.forward_site
 
     # -- hot path ----------------------------------------------------------------------------------
-    def plan(self, heads: int, queries: int, keys: int, dim: int) -> AttentionPlan | None:
+    @property
+    def calibrating(self) -> bool:
+        return any(state.calibrating for states in self.states.values() for state in states)
+
+    def plan(self, heads: int, queries: int, keys: int, dim: int, dtype=None, causal: bool = False
+             ) -> AttentionPlan | None:  # fmt: skip
         step = self.clock.step
         if step != self._call_step:
+            if self._call_step >= 0:
+                self.calls_last_step = self._calls
             self._call_step, self._calls = step, 0
+        if self.shape != (heads, queries, keys, dim, dtype, causal):
+            self.shape = (heads, queries, keys, dim, dtype, causal)
+            self.call_flops = attention_flops(heads, queries, keys, dim, causal)
         call = self._calls
         self._calls += 1
         states = self.states[False] + self.states[True]
@@ -155,7 +210,10 @@ class AttentionSensor:
             for state, bound in zip(states, bounds, strict=True):
                 state.hard_bound = state.current = bound
         check = any(state.calibrating for state in states)
-        check = check or self.sampler.should_check(self.probability, self.forward_site.id, step, call)
+        check = check or (not self.quiet and self.sampler.should_check(self.probability, self.forward_site.id, step,
+                                                                        call))  # fmt: skip
+        self.flops["total"] += self.call_flops
+        self.flops["checked"] += self.call_flops if check else 0.0
         plan = AttentionPlan(step, call, heads, check)
         for is_backward in (False, True):
             fault = self._fault(self.site(is_backward), step, call, heads)
@@ -184,6 +242,9 @@ class AttentionSensor:
         path): read here, as the GEMM reference path reads its statistics."""
         if plan is None or plan.silent or not plan.check:
             return  # an unsampled call with a fault: it corrupts training unseen
+        if getattr(capture, "deferred", False):
+            self._observe_on_device(plan, backward, values, capture, heads_per_batch)
+            return
         states = self.states[backward]
         rows = values.reshape(len(states), -1)  # [checks, heads]
         maxima = rows.amax(dim=1)
@@ -199,6 +260,29 @@ class AttentionSensor:
             self._alarmed_check[(plan.step, plan.call, backward)] = check
         self.records.append(AttentionRecord(self.site(backward), states, tuple(float(m) for m in maxima), plan.step,
                                             plan.call, check, head, heads_per_batch, kept))  # fmt: skip
+
+    def _observe_on_device(self, plan: AttentionPlan, backward: bool, values, context, heads_per_batch: int) -> None:
+        """`values` [heads] or [checks, heads] fp64 on the device: the suspect head chosen and copied
+        there; nothing read (see the module docstring)."""
+        states = self.states[backward]
+        thresholds = tuple(state.current for state in states)
+        rows = values.reshape(len(states), -1)  # [checks, heads]
+        ratios = (rows / self._device_thresholds(backward, thresholds, rows.device)).nan_to_num(nan=math.inf)
+        head = ratios.amax(dim=0).argmax().view(1)  # int64 [1]: the head furthest over its threshold
+        packed = torch.cat((rows.amax(dim=1), head.to(torch.float64)))
+        pending = DeferredCheck(packed, (ratios > 1.0).any(), thresholds, context.head_copy(head),
+                                rows.index_select(1, head)[:, 0], backward, self._alarmed_check)  # fmt: skip
+        self.records.append(AttentionRecord(self.site(backward), states, (), plan.step, plan.call, 0, 0,
+                                            heads_per_batch, None, pending))  # fmt: skip
+
+    def _device_thresholds(self, backward: bool, thresholds: tuple[float, ...], device):
+        """The thresholds as a float64 [checks, 1] device tensor, uploaded again only when they change
+        (calibration and false alarms: at most once a step)."""
+        cached = self._thresholds_on_device.get(backward)
+        if cached is None or cached[0] != thresholds or cached[1].device != device:
+            tensor = torch.tensor(thresholds, dtype=torch.float64).view(-1, 1).to(device, non_blocking=True)
+            cached = self._thresholds_on_device[backward] = (thresholds, tensor)
+        return cached[1]
 
     def on_false_alarm(self, backward: bool, evidence) -> None:
         """The replay reproduced the call: the check that alarmed was noise; raise its threshold."""
