@@ -277,20 +277,29 @@ def _padded_training(model, optimizer, steps: int) -> None:
         optimizer.step()
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_a_padded_batch_is_checked_and_a_fault_in_it_confirmed(tmp_path, dropout):
+# the Triton case under the interpreter (slow on the CPU): dropout and padding together, fewer steps
+@pytest.mark.parametrize("dropout,kernels", [(0.0, "reference"), (0.1, "reference"), (0.1, "triton")])
+def test_a_padded_batch_is_checked_and_a_fault_in_it_confirmed(tmp_path, monkeypatch, dropout, kernels):
     # A padded batch, with attention dropout (p = 0.1) or without: every call checked (under dropout
-    # dv is P_dᵀ·dO's column check plus P's rows), no false alarm over the clean steps, a dq fault
-    # confirmed — the replay redraws nothing (the call's dropout mask is kept with its context).
+    # dv is P_dᵀ·dO's column check plus P's rows on the reference kernels, P_dᵀ·dO's row check on the
+    # Triton kernels), no false alarm over the clean steps, a dq fault confirmed — the replay redraws
+    # the same mask (kept with the call's context; the Triton kernels keep its seed). On the Triton
+    # kernels (the interpreter here) the suspect head is chosen and copied without a host read.
+    steps, fault_step, calibration = 24, 20, aegis.ThresholdConfig()
+    if kernels == "triton":
+        monkeypatch.setattr(attention_op, "kernels_for", lambda *args, **kwargs: attention_op.TRITON)
+        steps, fault_step, calibration = 10, 8, aegis.ThresholdConfig(calibration_checks=4)
     torch.manual_seed(0)
     model = PaddedAttention(dropout=dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fault = aegis.FaultSpec(site="<root>:attn_bwd", model="bitflip", bit=27, stage="dq", steps=(20,), row=5, col=3)
-    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(fault,)))
-    _padded_training(model, optimizer, 24)
+    fault = aegis.FaultSpec(site="<root>:attn_bwd", model="bitflip", bit=27, stage="dq", steps=(fault_step,), row=5,
+                            col=3)  # fmt: skip
+    config = guard_config(tmp_path, faults=(fault,), thresholds=calibration)
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    _padded_training(model, optimizer, steps)
     summary = guard.close()
-    assert summary.attention_checks == 24 * 2
-    assert [(i.step, i.site.name) for i in guard.incidents] == [(20, "<root>:attn_bwd")]
+    assert summary.attention_checks == steps * 2
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(fault_step, "<root>:attn_bwd")]
     assert summary.false_alarms == 0
 
 
@@ -313,7 +322,7 @@ def test_under_dropout_each_backward_stage_is_seen_by_its_check(stage):
 @pytest.mark.gpu
 @pytest.mark.parametrize("triton_on,dropout,reason", [
     (False, 0.0, "attention on CUDA"),  # the switch off: every CUDA call is named
-    (True, 0.1, "attention dropout on CUDA"),  # the kernels take no dropout yet
+    (True, 0.1, "torch.float32 operands"),  # the kernels take bf16/fp16
 ])  # fmt: skip
 def test_unchecked_attention_on_cuda_is_named_in_the_coverage(tmp_path, monkeypatch, triton_on, dropout, reason):
     monkeypatch.setattr(attention_op, "TRITON_ON_CUDA", triton_on)
@@ -332,13 +341,15 @@ def test_unchecked_attention_on_cuda_is_named_in_the_coverage(tmp_path, monkeypa
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_triton_kernels_check_padded_bf16_batches_and_confirm_a_fault(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_on_cuda_the_triton_kernels_check_padded_bf16_batches_and_confirm_a_fault(tmp_path, monkeypatch, dropout):
     # The routed path as it will run once TRITON_ON_CUDA is on: a bf16 model on the GPU whose SDPA
-    # calls take a padding mask [B, 1, 1, S] — every sampled call on the Triton kernels, no false
-    # alarm in the clean steps, a dq fault confirmed at its site and step, nothing named unchecked.
+    # calls take a padding mask [B, 1, 1, S], with attention dropout or without — every sampled call
+    # on the Triton kernels, no false alarm in the clean steps, a dq fault confirmed at its site and
+    # step, nothing named unchecked.
     monkeypatch.setattr(attention_op, "TRITON_ON_CUDA", True)
     torch.manual_seed(0)
-    model = PaddedAttention().cuda().to(torch.bfloat16)
+    model = PaddedAttention(dropout=dropout).cuda().to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fault = aegis.FaultSpec(site="<root>:attn_bwd", model="bitflip", bit=27, stage="dq", steps=(20,), row=5, col=3)
     # every call checked: on CUDA the default 1% budget samples, and this test counts checks

@@ -89,13 +89,14 @@ def test_a_call_replays_bit_for_bit():
         assert torch.equal(getattr(grads[0], name), getattr(grads[1], name)), name
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_a_head_copy_replays_the_heads_bits(causal):
+@pytest.mark.parametrize("causal,dropout", [(False, 0.0), (True, 0.0), (False, 0.25)])
+def test_a_head_copy_replays_the_heads_bits(causal, dropout):
     # The Triton path chooses an alarmed call's suspect head on the device and keeps a copy of that
     # head alone (a one-head problem, ops/checked_attention.CallContext.head_copy). Its replay must
     # compute the batched call's bits for that head exactly — outputs, lse, gradients, every check
     # value — or a clean alarm would end a false confirmation. Hugging Face's transposed layout,
-    # GQA (4 query over 2 key/value heads) and a padding mask [B, 1, 1, Sk] (not with causal).
+    # GQA (4 query over 2 key/value heads), a padding mask [B, 1, 1, Sk] (not with causal), and
+    # dropout drawn in the kernels (the copy's draw keyed to its head).
     b, h, hkv, s, d = 2, 4, 2, 48, 32
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 is wrong
     g = torch.Generator().manual_seed(31)
@@ -108,11 +109,12 @@ def test_a_head_copy_replays_the_heads_bits(causal):
     if not causal:
         mask = torch.zeros(b, 1, 1, s, device=DEVICE)
         mask[1, ..., 40:] = float("-inf")
-    fwd = ta.forward(q, k, v, 0.2, causal, mask=mask)
-    bwd = ta.backward(q, k, v, fwd.out, fwd.lse, dout, 0.2, causal, mask=mask)
+    drop = ta.DropoutDraw.new(dropout, torch.device(DEVICE)) if dropout else None
+    fwd = ta.forward(q, k, v, 0.2, causal, mask=mask, drop=drop)
+    bwd = ta.backward(q, k, v, fwd.out, fwd.lse, dout, 0.2, causal, mask=mask, drop=drop)
     grads = (bwd.dq, bwd.dk, bwd.dv)
     context = checked_attention.CallContext(checked_attention.TRITON, q, k, v, 0.2, causal, fwd.out, fwd.lse, dout,
-                                            grads, mask)  # fmt: skip
+                                            grads, mask, drop)  # fmt: skip
     assert context.deferred
     for head in (0, 3, 6):  # batch 0 and 1; heads of both key/value groups
         replay = context.head_copy(torch.tensor([head], device=DEVICE))
@@ -122,6 +124,35 @@ def test_a_head_copy_replays_the_heads_bits(causal):
         assert torch.equal(replay.check_values(False), fwd.values[head : head + 1])
         assert torch.equal(replay.check_values(True), bwd.values[:, head])
         assert replay.inputs_finite()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_drawn_in_the_kernels_matches_the_reference_path_with_the_same_mask(causal):
+    # The kernels draw dropout's keep mask from Philox per element; `dropout_scales` writes the same
+    # factors out, and the reference path given them must agree: fp32 both, different summation
+    # orders — outputs within 1e-5 of max|V|·(1/(1 − p)), gradients within 4e-5 of the largest (the
+    # tolerances of the mask test below, scaled by the dropout factor). Clean values stay under the
+    # sensor's starting bounds; the same draw redraws the same mask (bit-identical reruns); about
+    # 1 − p of the scores are kept (2048 draws: 5σ ≈ 0.045).
+    n, s, d, p = 2, 32, 16, 0.2
+    q, k, v, do = operands(n, s, s, d, torch.float32, seed=41)
+    drop = ta.DropoutDraw.new(p, torch.device(DEVICE))
+    scales = ta.dropout_scales(drop, n, s, s)
+    assert abs(float((scales > 0).float().mean()) - (1 - p)) < 0.045
+    got = ta.forward(q, k, v, 0.25, causal, drop=drop)
+    want = ref.attention_forward(q, k, v, 0.25, causal, drop=scales)
+    assert torch.allclose(got.out, want.out, atol=1e-5 * float(v.abs().max()) / (1 - p), rtol=0)
+    assert torch.equal(got.out, ta.forward(q, k, v, 0.25, causal, drop=drop).out)
+    gb = ta.backward(q, k, v, got.out, got.lse, do, 0.25, causal, drop=drop)
+    wb = ref.attention_backward(q, k, v, want.out, want.lse, do, 0.25, causal, drop=scales)
+    for name in ("dq", "dk", "dv"):
+        w = getattr(wb, name)
+        assert torch.allclose(getattr(gb, name), w, atol=4e-5 * float(w.abs().max()), rtol=0), name
+    assert torch.all(got.values <= worst_case_bound(s, d)) and torch.all(gb.values[0] <= ref.backward_bound(s, s))
+    for stage in ("pv", "dp", "ds", "dq", "dk"):  # under dropout a fault still moves its own check
+        hit = ta.backward(q, k, v, got.out, got.lse, do, 0.25, causal, fault(1, stage), drop=drop)
+        row = BACKWARD_CHECKS.index(BACKWARD_STAGE_CHECK[stage])
+        assert float(hit.values[row, 1]) > 100 * float(gb.values[row].max()), stage
 
 
 # Which check each fault stage must move (the reference path's rows): forward for qk/softmax/pv in
@@ -195,7 +226,7 @@ def test_a_protected_model_on_the_triton_kernels_confirms_faults_and_nothing_els
 
     import aegis_sdc as aegis
 
-    monkeypatch.setattr(checked_attention, "kernels_for", lambda q, dropout_p=0.0: checked_attention.TRITON)
+    monkeypatch.setattr(checked_attention, "kernels_for", lambda *args, **kwargs: checked_attention.TRITON)
     faults = tuple(
         aegis.FaultSpec(site=f"layers.0.attn:{kind}", model="bitflip", bit=27, stage=stage, steps=(step,), row=5, col=3)
         for kind, stage, step, _ in TRITON_STAGE_FAULTS
@@ -312,7 +343,7 @@ def test_the_op_reads_hugging_face_layouts_gqa_and_a_broadcast_mask_in_place(mon
     keep[1, ..., 30:] = False  # the second sequence is padded after 30 tokens
     runs = {}
     for name, kernels in (("reference", checked_attention.REFERENCE), ("triton", checked_attention.TRITON)):
-        monkeypatch.setattr(checked_attention, "kernels_for", lambda q, dropout_p=0.0, kernels=kernels: kernels)
+        monkeypatch.setattr(checked_attention, "kernels_for", lambda *args, kernels=kernels, **kwargs: kernels)
         hooks = Quiet()
         out = checked_attention.checked_attention(q, k, v, hooks=hooks, attn_mask=keep)
         runs[name] = (out, torch.autograd.grad(out, (q, k, v), dout), hooks.values)

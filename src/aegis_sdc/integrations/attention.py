@@ -3,9 +3,9 @@
 While a guard is open, `torch.nn.functional.scaled_dot_product_attention` is replaced by `sdpa`
 below. A call is checked when it comes from a module of the protected model (the calling frame's
 `self` or `module`, which names the site: `layers.1.attn:attn_fwd` / `:attn_bwd`), its arguments are
-supported (4-D q, k, v; causal or an `attn_mask` the op takes — padding masks included; dropout on
-the CPU; `enable_gqa` or equal head counts). On CUDA the op runs the Triton kernels
-(ops/checked_attention.TRITON_ON_CUDA; bf16/fp16, head dimension a power of two, no dropout yet);
+supported (4-D q, k, v; causal or an `attn_mask` the op takes — padding masks included; attention
+dropout; `enable_gqa` or equal head counts). On CUDA the op runs the Triton kernels
+(ops/checked_attention.TRITON_ON_CUDA; bf16/fp16, head dimension a power of two, dropout inside them);
 while that switch is off, CUDA calls stay unchecked and are named. A call of the model that stays unchecked for
 any of these reasons is named once per module, in a warning and the coverage report
 (`uncovered`): nothing falls back silently. Sampled calls run the checked op; the others, and every
@@ -65,9 +65,7 @@ def unchecked_reason(q, k, attn_mask, dropout_p: float, is_causal: bool) -> str 
     if q.is_cuda:
         if not attention_op.TRITON_ON_CUDA:
             return "attention on CUDA (the Triton attention kernels are not enabled yet)"
-        if dropout_p > 0.0:
-            return "attention dropout on CUDA (the Triton attention kernels take no dropout yet)"
-        problem = triton_attention.supported(q, k)
+        problem = triton_attention.supported(q, k, dropout_p)
         if problem is not None:
             return problem
     if attn_mask is not None:

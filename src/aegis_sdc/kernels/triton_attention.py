@@ -43,6 +43,13 @@ raw differences (their root over a head is the AEGIS unit of fault size); a fini
 blocks to one value per head in fp64, in block order — nothing reads the host. Under TRITON_INTERPRET=1 operands
 are upcast after loading (bf16 arithmetic is wrong in the interpreter), as in kernels/triton_gemm.py.
 
+Dropout (`DropoutDraw`): each kernel draws the keep mask of its tile from Philox, keyed by the call's
+seed plus the head's index and offset by the element's (query, key) position, so the mask is never
+stored and every kernel and replay draws the same. With P_d = P ⊙ keep/(1 − p): forward O = P_d·V
+(its check against P_d·(V·1)), ℓ and the lse sum every p; dV = P_dᵀ·dO (its row check against
+P_dᵀ·(dO·1)); dS = P ⊙ (dP ⊙ keep/(1 − p) − D), whose rows still sum to zero
+(Σ_k P_d,qk dP_qk = dO_q·O_q = D_q); dP's check is taken before the mask; P's row sums are undropped.
+
 Fault stages (constexpr STAGE, as `attention_reference.STAGES`): qk, softmax, pv (O's accumulator in
 forward, dV's in backward), dp, ds, dq, dk — one element (head, row, col) perturbed or bit-flipped.
 A score (`qk`) is faulted in base-2 units: a perturbation δ of the natural score is δ·log₂e.
@@ -257,8 +264,28 @@ def _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_q, Sq, Sk, scale2,
 
 
 @triton.jit
+def _keep_scale(seed, offs_m, offs_n, Sk, p_drop, keep_scale, TRANSPOSED: tl.constexpr):
+    """Dropout's factor per element (query, key) of a tile: 1/(1 − p) where a Philox uniform keyed by
+    the head's seed is ≥ p, else 0 — a function of the element alone, so the forward, both backward
+    kernels and every replay draw the same mask whatever their blocks. [BM, BN], or [BN, BM]."""
+    offs = offs_m[None, :] * Sk + offs_n[:, None] if TRANSPOSED else offs_m[:, None] * Sk + offs_n[None, :]
+    return tl.where(tl.rand(seed, offs) >= p_drop, keep_scale, 0.0)
+
+
+@triton.jit
+def _head_seed(drop_ptr, head, DROPOUT: tl.constexpr):
+    """The head's Philox seed: the call's seed plus the head's index in the call (`drop_ptr`: int64
+    [seed, index of the first head]; a one-head replay of head h passes h)."""
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(drop_ptr) + tl.load(drop_ptr + 1) + head
+    return seed
+
+
+@triton.jit
 def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, lo, hi, head,
                mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
+               seed, p_drop, keep_scale, DROPOUT: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
                MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
                UPCAST: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):  # fmt: skip
@@ -279,7 +306,9 @@ def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, l
         p = tl.math.exp2(s - m_use[:, None])
         if STAGE == 1:
             p = _fault(p, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)  # the normalizer sums every p, kept or dropped
+        if DROPOUT:
+            p = p * _keep_scale(seed, offs_m, offs_n, Sk, p_drop, keep_scale, False)
         p_op = _operand(p, DT, UPCAST)  # the MMA's operand; the reference side multiplies the same
         acc = tl.dot(p_op, v, acc * alpha[:, None])
         if CHECK:
@@ -300,8 +329,9 @@ def attention_fwd_kernel(
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
     Sq, Sk, scale, sq_unscale, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
+    drop_ptr, p_drop, keep_scale,  # dropout (DROPOUT): int64 [seed, first head]; p; 1/(1 − p)
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
-    EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
+    DROPOUT: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -318,21 +348,22 @@ def attention_fwd_kernel(
     k_ptr += _at(kv_head, heads // group, sk_b, sk_h)
     v_ptr += _at(kv_head, heads // group, sv_b, sv_h)
     wv_ptr += kv_head * Sk * 16
+    seed = _head_seed(drop_ptr, head, DROPOUT)
     free, hi = _key_range(pid_m, Sq, Sk, CAUSAL, EVEN, BM, BN)
     if CAUSAL or not EVEN:
         acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, 0, free,
                                         head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
-                                        fault_delta, fault_mask, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN,
-                                        DT, UPCAST, D, BN)  # fmt: skip
+                                        fault_delta, fault_mask, seed, p_drop, keep_scale, DROPOUT, False, CAUSAL,
+                                        HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
         acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, free, hi,
                                         head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
-                                        fault_delta, fault_mask, True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN,
-                                        DT, UPCAST, D, BN)  # fmt: skip
+                                        fault_delta, fault_mask, seed, p_drop, keep_scale, DROPOUT, True, CAUSAL,
+                                        HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
     else:
         acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, 0, hi,
                                         head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
-                                        fault_delta, fault_mask, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN,
-                                        DT, UPCAST, D, BN)  # fmt: skip
+                                        fault_delta, fault_mask, seed, p_drop, keep_scale, DROPOUT, False, CAUSAL,
+                                        HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if STAGE == 2:  # an error of `delta` in the normalized output is delta·ℓ in the accumulator
         acc = _fault(acc, offs_m, tl.arange(0, D), head, fault_head, fault_row, fault_col,
@@ -357,6 +388,7 @@ def attention_fwd_kernel(
 def _kv_block(dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, sq_s, sdo_s,
               offs_n, lo, hi, head, mask_ptr, sm_q, Sq, Sk, scale2,
               fault_head, fault_row, fault_col, fault_delta, fault_mask,
+              seed, p_drop, keep_scale, DROPOUT: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
               MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
               UPCAST: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):  # fmt: skip
@@ -382,7 +414,12 @@ def _kv_block(dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_
         dp_t = tl.dot(v, do_t)
         if STAGE == 3:
             dp_t = _fault(dp_t, offs_n, offs_m, head, fault_head, fault_col, fault_row, fault_delta, fault_mask, MODEL)
-        ds_t = p_t * (dp_t - delta[None, :])
+        if DROPOUT:  # dV = P_dᵀ·dO and dS = P ⊙ (dP ⊙ keep/(1 − p) − D), with P_d = P ⊙ keep/(1 − p)
+            factor = _keep_scale(seed, offs_m, offs_n, Sk, p_drop, keep_scale, True)
+            ds_t = p_t * (dp_t * factor - delta[None, :])
+            p_t = p_t * factor
+        else:
+            ds_t = p_t * (dp_t - delta[None, :])
         if STAGE == 4:
             ds_t = _fault(ds_t, offs_n, offs_m, head, fault_head, fault_col, fault_row, fault_delta, fault_mask, MODEL)
         p_op = _operand(p_t, DT, UPCAST)
@@ -402,8 +439,9 @@ def attention_bwd_kv_kernel(
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
     Sq, Sk, scale, sq_unscale, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
+    drop_ptr, p_drop, keep_scale,  # dropout, as in the forward
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
-    EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
+    DROPOUT: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key block (dK unscaled until stored), with the dv and dk checks."""
@@ -426,6 +464,7 @@ def attention_bwd_kv_kernel(
     wdo_ptr += head * Sq * 16
     lse_ptr += head * Sq
     delta_ptr += head * Sq
+    seed = _head_seed(drop_ptr, head, DROPOUT)
     lo = 0
     free = 0  # query blocks from `free` on see every key of the block (EVEN only)
     if CAUSAL:
@@ -437,11 +476,13 @@ def attention_bwd_kv_kernel(
         dk, dv, dk_ref, dv_ref = _kv_block(
             dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, sq_s, sdo_s, offs_n,
             lo, free, head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta,
-            fault_mask, True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BM)  # fmt: skip
+            fault_mask, seed, p_drop, keep_scale, DROPOUT, True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT,
+            UPCAST, D, BM)  # fmt: skip
     dk, dv, dk_ref, dv_ref = _kv_block(
         dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, sq_s, sdo_s, offs_n,
         free, Sq, head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta,
-        fault_mask, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BM)  # fmt: skip
+        fault_mask, seed, p_drop, keep_scale, DROPOUT, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT,
+        UPCAST, D, BM)  # fmt: skip
     if STAGE == 2:
         dv = _fault(dv, offs_n, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
     if STAGE == 6:
@@ -468,6 +509,7 @@ def attention_bwd_kv_kernel(
 def _q_block(dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m,
              lo, hi, head, mask_ptr, sm_q, Sq, Sk, scale2,
              fault_head, fault_row, fault_col, fault_delta, fault_mask,
+             seed, p_drop, keep_scale, DROPOUT: tl.constexpr,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
              MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
              UPCAST: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):  # fmt: skip
@@ -486,7 +528,10 @@ def _q_block(dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr
         dp = tl.dot(do, tl.trans(v))
         if STAGE == 3:
             dp = _fault(dp, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
-        ds = p * (dp - delta[:, None])
+        if DROPOUT:  # dP itself (its check) is taken before the mask
+            ds = p * (dp * _keep_scale(seed, offs_m, offs_n, Sk, p_drop, keep_scale, False) - delta[:, None])
+        else:
+            ds = p * (dp - delta[:, None])
         if STAGE == 4:
             ds = _fault(ds, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
         ds_op = _operand(ds, DT, UPCAST)
@@ -507,8 +552,9 @@ def attention_bwd_q_kernel(
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
     Sq, Sk, scale, u_out, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
+    drop_ptr, p_drop, keep_scale,  # dropout, as in the forward
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
-    EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
+    DROPOUT: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block, with the dp, ds and dq checks and the row sums of the recomputed P."""
@@ -532,21 +578,25 @@ def attention_bwd_q_kernel(
     k_ptr += _at(kv_head, heads // group, sk_b, sk_h)
     v_ptr += _at(kv_head, heads // group, sv_b, sv_h)
     wk_ptr += kv_head * Sk * 16
+    seed = _head_seed(drop_ptr, head, DROPOUT)
     free, hi = _key_range(pid_m, Sq, Sk, CAUSAL, EVEN, BM, BN)
     if CAUSAL or not EVEN:
         dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
             dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, 0, free,
             head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
-            False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
+            seed, p_drop, keep_scale, DROPOUT, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D,
+            BN)  # fmt: skip
         dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
             dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, free, hi,
             head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
-            True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
+            seed, p_drop, keep_scale, DROPOUT, True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D,
+            BN)  # fmt: skip
     else:
         dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
             dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, 0, hi,
             head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
-            False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
+            seed, p_drop, keep_scale, DROPOUT, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D,
+            BN)  # fmt: skip
     if STAGE == 5:
         dq = _fault(dq, offs_m, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
     if CHECK:
@@ -567,7 +617,8 @@ def attention_bwd_q_kernel(
         dmag = tl.load(dmag_ptr + head * Sq + offs_m, mask=valid, other=0.0)
         vmax = tl.sqrt(vmax)
         ds_raw = tl.where(valid, ds_sum, 0.0)
-        ds_diff = _normalized(ds_raw, do_norm * vmax + tl.abs(delta) + (u_out / U32) * dmag)
+        # under dropout each dP term enters dS times 1/(1 − p)
+        ds_diff = _normalized(ds_raw, do_norm * vmax * keep_scale + tl.abs(delta) + (u_out / U32) * dmag)
         dq_side, _ = _side_sums(dq_ref)
         dq_raw = tl.where(valid, tl.sum(dq, axis=1) - dq_side, 0.0)
         dq_diff = _normalized(dq_raw, tl.maximum(tl.sqrt(tl.sum(dq * dq, axis=1)), tl.sum(tl.abs(dq), axis=1)))
@@ -637,6 +688,19 @@ def attention_bwd_finish_kernel(kv_ptr, q_ptr, values_ptr, l2_ptr, N, k_blocks, 
     tl.store(l2_ptr + 4 * N + head, _column_root(kv_ptr, head, k_blocks, 4, 3, BLOCK))
 
 
+@triton.jit
+def dropout_scale_kernel(drop_ptr, out_ptr, Sq, Sk, p_drop, keep_scale, BM: tl.constexpr, BN: tl.constexpr):
+    """Dropout's factors [N, Sq, Sk] as the kernels draw them (the reference path's `drop`: tests)."""
+    head = tl.program_id(1)
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    seed = _head_seed(drop_ptr, head, True)
+    for start_n in range(0, Sk, BN):
+        offs_n = start_n + tl.arange(0, BN)
+        factor = _keep_scale(seed, offs_m, offs_n, Sk, p_drop, keep_scale, False)
+        inside = (offs_m < Sq)[:, None] & (offs_n < Sk)[None, :]
+        tl.store(out_ptr + head * Sq * Sk + offs_m[:, None] * Sk + offs_n[None, :], factor, mask=inside)
+
+
 # -- host side --------------------------------------------------------------------------------------
 import dataclasses  # noqa: E402
 
@@ -681,14 +745,53 @@ def _launch_args(blocks: Blocks) -> dict:
     return dict(BM=blocks.block_m, BN=blocks.block_n, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
-def supported(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """Why these flattened operands ([N, S, D]) cannot run here (None: they can)."""
+def supported(q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0) -> str | None:
+    """Why these operands ([N, S, D] or [B, H, S, D]) cannot run here (None: they can)."""
     d = q.shape[-1]
     if q.dtype not in _TL_DTYPES or (q.is_cuda and q.dtype == torch.float32):
         return f"{q.dtype} operands (the GPU kernels take bf16/fp16)"
     if d < 16 or d > 256 or d & (d - 1):
         return f"head dimension {d} (a power of two from 16 to 256)"
+    if dropout_p > 0.0 and q.shape[-2] * k.shape[-2] >= 2**31:
+        return f"attention dropout over {q.shape[-2]} × {k.shape[-2]} scores (its Philox offsets are 32-bit)"
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DropoutDraw:
+    """Attention dropout drawn inside the kernels: each score kept with probability 1 − p, from Philox
+    keyed by `seeds` (int64 [2] on the device: the call's seed and the index of its first head) — the
+    mask is never stored; forward, backward and replays redraw it identically."""
+
+    p: float
+    seeds: torch.Tensor
+
+    @staticmethod
+    def new(p: float, device: torch.device) -> DropoutDraw:
+        """A fresh draw from the device's generator (SDPA's dropout draws there too; a checkpointed
+        segment's recomputation restores it), with no host read."""
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+        return DropoutDraw(p, torch.cat((seed, torch.zeros(1, dtype=torch.int64, device=device))))
+
+    def of_head(self, head: torch.Tensor) -> DropoutDraw:
+        """The draw of a one-head copy of head `head` (int64 [1] on the device)."""
+        return DropoutDraw(self.p, torch.cat((self.seeds[:1], self.seeds[1:] + head)))
+
+    def detach(self) -> DropoutDraw:  # a replay keeps its context as it keeps tensors: detached copies
+        return self
+
+    def clone(self) -> DropoutDraw:
+        return DropoutDraw(self.p, self.seeds.clone())
+
+
+def dropout_scales(drop: DropoutDraw, n: int, sq: int, sk: int) -> torch.Tensor:
+    """The factors [n, Sq, Sk] fp32 (0 or 1/(1 − p)) the kernels apply for `drop`: the reference
+    path's dropout mask for the same draw."""
+    out = torch.empty(n, sq, sk, dtype=torch.float32, device=drop.seeds.device)
+    block = 16
+    dropout_scale_kernel[(triton.cdiv(sq, block), n)](drop.seeds, out, sq, sk, drop.p, 1.0 / (1.0 - drop.p),
+                                                      BM=block, BN=block)  # fmt: skip
+    return out
 
 
 def _fault_args(fault: HeadFault | None, backward: bool, sq: int, sk: int, d: int) -> tuple[int, int, tuple]:
@@ -707,9 +810,13 @@ def _fault_args(fault: HeadFault | None, backward: bool, sq: int, sk: int, d: in
     return model, _STAGE_IDS[fault.stage], (fault.head, *corruption.element(*shape), delta, mask)
 
 
-def _reference_only(drop: torch.Tensor | None) -> None:
-    if drop is not None:
-        raise ValueError("the Triton attention kernels take no dropout yet (the reference kernels do)")
+def _dropout_args(drop: DropoutDraw | None, q: torch.Tensor) -> tuple[tuple, bool]:
+    """(runtime args, DROPOUT) of a call's dropout; a stand-in pointer when there is none."""
+    if drop is None:
+        return (q, 0.0, 1.0), False
+    if not isinstance(drop, DropoutDraw):
+        raise ValueError("the Triton attention kernels draw dropout themselves: pass a DropoutDraw, not a mask")
+    return (drop.seeds, float(drop.p), 1.0 / (1.0 - drop.p)), True
 
 
 def _mask_args(mask: torch.Tensor | None, q: torch.Tensor, heads: int) -> tuple:
@@ -799,9 +906,9 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
     k [B, Hkv, Sk, D]), query head h of a batch reads key/value head h // (heads / Hkv) in place (GQA
     without an expanded copy). `check=False` runs the same kernel without its checks (values empty:
     benchmarks). `mask`: an additive fp32 mask, [N or 1, Sq, Sk] for flattened heads or anything that
-    broadcasts to [B, H, Sq, Sk] (not with `causal`); no `drop` yet (the op runs such calls on the
-    reference kernels)."""
-    _reference_only(drop)
+    broadcasts to [B, H, Sq, Sk] (not with `causal`). `drop`: a `DropoutDraw` (out = P_d·V with
+    P_d = P ⊙ keep/(1 − p); the check O·1 = P_d·(V·1))."""
+    dropout, has_dropout = _dropout_args(drop, q)
     n, heads, group = _layout(q, k, heads)
     sq, d = q.shape[-2:]
     sk = k.shape[-2]
@@ -815,8 +922,8 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
     attention_fwd_kernel[(q_blocks, n)](
         q, k, v, wv, out, lse, checks, *_mask_args(mask, q, heads), *_strides(q, heads),
         *_strides(k, heads // group), *_strides(v, heads // group), *_strides(out, heads),
-        sq, sk, float(scale), 1.0 / _sq_scale(q.dtype), heads, group, *fargs,
-        CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage,
+        sq, sk, float(scale), 1.0 / _sq_scale(q.dtype), heads, group, *fargs, *dropout,
+        CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage, DROPOUT=has_dropout,
         EVEN=_even(sq, sk, cfg), DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d, **_launch_args(cfg),
     )  # fmt: skip
     if not check:
@@ -832,8 +939,8 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
     """The checked backward, operands as for `forward` (dout like q, out and lse as `forward` gave
     them): dq, dk, dv [N, S, D] fp32 (dk and dv per query head: a GQA group's sum is the caller's),
     values [len(BACKWARD_CHECKS), N] fp64 and raw_l2 [N] (‖dV·1 − Pᵀ·(dO·1)‖₂) on the device.
-    `heads`, `mask` and `check` as for `forward`."""
-    _reference_only(drop)
+    `heads`, `mask`, `drop` and `check` as for `forward`."""
+    dropout, has_dropout = _dropout_args(drop, q)
     n, heads, group = _layout(q, k, heads)
     sq, d = q.shape[-2:]
     sk = k.shape[-2]
@@ -853,17 +960,18 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
     q_check = torch.empty(n, q_blocks, Q_CHECKS, dtype=torch.float32, device=q.device)
     model, stage, fargs = _fault_args(fault, True, sq, sk, d)
     common = dict(CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage,
-                  DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d)  # fmt: skip
+                  DROPOUT=has_dropout, DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d)  # fmt: skip
     operands = (*_mask_args(mask, q, heads), *_strides(q, heads), *_strides(k, heads // group),
                 *_strides(v, heads // group), *_strides(do, heads))  # fmt: skip
     attention_bwd_kv_kernel[(k_blocks, n)](
         q, k, v, do, wq, wdo, lse, delta, dk, dv, kv_check, *operands, sq, sk, float(scale),
-        1.0 / _sq_scale(q.dtype), heads, group, *fargs, EVEN=_even(sq, sk, cfg.kv), **common, **_launch_args(cfg.kv),
+        1.0 / _sq_scale(q.dtype), heads, group, *fargs, *dropout, EVEN=_even(sq, sk, cfg.kv), **common,
+        **_launch_args(cfg.kv),
     )  # fmt: skip
     u_out = torch.finfo(out.dtype).eps / 2
     attention_bwd_q_kernel[(q_blocks, n)](
         q, k, v, do, wk, vcols, vsq, vmax, lse, delta, dmag, dq, q_check, *operands, sq, sk, float(scale), u_out,
-        heads, group, *fargs, EVEN=_even(sq, sk, cfg.q), **common, **_launch_args(cfg.q),
+        heads, group, *fargs, *dropout, EVEN=_even(sq, sk, cfg.q), **common, **_launch_args(cfg.q),
     )  # fmt: skip
     if not check:
         return Backward(dq, dk, dv, torch.empty(0), torch.empty(0))

@@ -7,7 +7,7 @@ Heads are indexed flattened, N = B·H, and computed in one batched pass; per hea
 backward checksum values go to the op's hooks (the sensor of the calling module): the op knows
 nothing of thresholds or stores. Unsupported arguments raise `ValueError` naming the problem. The
 kernels (`kernels_for`, `Kernels`): CUDA operands the fused Triton kernels take
-(kernels/triton_attention.py: bf16/fp16, head dimension a power of two, no dropout) run on those when
+(kernels/triton_attention.py: bf16/fp16, head dimension a power of two; dropout drawn inside them) run on those when
 `TRITON_ON_CUDA` is set — q, k, v read in place as laid out (GQA and Hugging Face's transposed
 views without copies, the mask in its broadcast shape); anything else runs on the reference kernels
 (flattened heads, K and V expanded over each group). Forward, backward and every replay of a call run
@@ -54,11 +54,10 @@ REFERENCE = Kernels(attention_forward, attention_backward, in_place=False)
 TRITON = Kernels(triton_attention.forward, triton_attention.backward, in_place=True)
 
 
-def kernels_for(q: torch.Tensor, dropout_p: float = 0.0) -> Kernels:
-    """The kernels for a call on q: the Triton kernels for CUDA operands they take (with
-    `TRITON_ON_CUDA`; no dropout yet), else the reference path. A call's bits depend on the choice:
-    its replays keep the kernels it ran on."""
-    if TRITON_ON_CUDA and dropout_p == 0.0 and q.is_cuda and triton_attention.supported(q, q) is None:
+def kernels_for(q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0) -> Kernels:
+    """The kernels for a call: the Triton kernels for CUDA operands they take (with `TRITON_ON_CUDA`),
+    else the reference path. A call's bits depend on the choice: its replays keep the kernels it ran on."""
+    if TRITON_ON_CUDA and q.is_cuda and triton_attention.supported(q, k, dropout_p) is None:
         return TRITON
     return REFERENCE
 
@@ -222,9 +221,7 @@ class CallContext:
     def head_copy(self, head: torch.Tensor) -> CallReplay:
         """A replay of flattened head `head` (int64 [1] on the device) of in-place operands: q, k, v,
         dO [B, H or Hkv, S, D]; out, lse, gradients per query head [N, ...]; the mask in its
-        broadcast shape (only its non-broadcast dimensions indexed)."""
-        if self.drop is not None:
-            raise ValueError("a head copy takes no dropout mask (the in-place kernels take none)")
+        broadcast shape (only its non-broadcast dimensions indexed); dropout's draw for that head."""
         heads = self.q.shape[1]
         batch, within = head // heads, head % heads  # [1] each, on the device
         group = heads // self.k.shape[1]
@@ -242,8 +239,9 @@ class CallContext:
             mask = mask[batch if mask.shape[0] > 1 else zero, within if mask.shape[1] > 1 else zero].unsqueeze(0)
         dout = None if self.dout is None else one(self.dout)
         grads = None if self.grads is None else tuple(flat(g) for g in self.grads)
+        drop = None if self.drop is None else self.drop.of_head(head)  # the head's own Philox stream
         return CallReplay(self.kernels, 0, one(self.q), one(self.k, True), one(self.v, True), self.scale, self.causal,
-                          flat(self.out), flat(self.lse), dout, grads, mask, copy=False)  # fmt: skip
+                          flat(self.out), flat(self.lse), dout, grads, mask, drop, copy=False)  # fmt: skip
 
 
 class CheckedAttentionFunction(torch.autograd.Function):
@@ -252,10 +250,14 @@ class CheckedAttentionFunction(torch.autograd.Function):
                 dropout_p: float):  # fmt: skip
         b, h = q.shape[:2]
         plan = hooks.plan(b * h)
-        kernels = kernels_for(q, dropout_p)
+        kernels = kernels_for(q, k, dropout_p)
         qf, kf, vf, mask = _operands(kernels, q, k, v, mask)
         drop = None
-        if dropout_p > 0.0:  # drawn from the global RNG, once per call (a checkpoint's recomputation restores it)
+        # drawn from the device's RNG, once per call (a checkpoint's recomputation restores it): the
+        # Triton kernels draw the mask themselves from a seed; the reference kernels take it whole
+        if dropout_p > 0.0 and kernels.in_place:
+            drop = triton_attention.DropoutDraw.new(dropout_p, q.device)
+        elif dropout_p > 0.0:
             keep = torch.rand(b * h, q.shape[2], k.shape[2], device=q.device) >= dropout_p
             drop = keep.float() / (1.0 - dropout_p)
         result = kernels.forward(qf, kf, vf, scale, causal, hooks.fault_for(plan, False), mask, drop)
@@ -302,7 +304,7 @@ def checked_attention(q, k, v, *, causal: bool = False, scale: float | None = No
     if attn_mask is not None:
         if causal:
             raise ValueError("checked attention: attn_mask and causal together (SDPA takes one or the other)")
-        problem = mask_problem(attn_mask, q, k, read_rows=not kernels_for(q, dropout_p).in_place)
+        problem = mask_problem(attn_mask, q, k, read_rows=not kernels_for(q, k, dropout_p).in_place)
         if problem is not None:
             raise ValueError(f"checked attention cannot take {problem}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
