@@ -52,14 +52,17 @@ def test_flipped_bits_in_a_recomputed_activation_and_in_a_saved_tensor_are_confi
 
 
 @pytest.mark.slow
-def test_300_clean_checkpointed_steps_confirm_nothing(tmp_path):
+def test_150_clean_checkpointed_steps_confirm_nothing(tmp_path):
+    # A recomputation's fingerprint must equal its forward's bit for bit: a clean mismatch is
+    # structural (a path that differs), not rare noise, so 150 steps (300 recomputations, ~1000
+    # fingerprint checks over a loss falling by more than 1) show it as well as more would.
     model, data, optimizer, guard = protected(tmp_path)
-    losses = train(model, data, optimizer, 300)
+    losses = train(model, data, optimizer, 150)
     summary = guard.close()
     assert losses[-1] < losses[0] - 1.0
     assert summary.confirmed == 0 and summary.not_deterministic == 0 and summary.not_verifiable == 0
     # every step: 2 recomputed blocks + the sampled saved tensors outside them
-    assert summary.fingerprint_checks >= 300 * 3
+    assert summary.fingerprint_checks >= 150 * 3
     assert summary.coverage["not_covered"] == {}
 
 
