@@ -10,7 +10,12 @@ forward, backward and optimizer step (synchronized each step), and the host's ow
 step — a step whose host time exceeds its GPU time is host-bound.
 
     python benchmarks/e2e_step.py [--workloads hf,own] [--modes eager,compiled] [--rounds 5] [--steps 6]
-                                  [--profile DIR] [--resume] [--out benchmarks/results/e2e_step.json]
+                                  [--triton-attention] [--profile DIR] [--resume]
+                                  [--out benchmarks/results/e2e_step.json]
+
+`--triton-attention` routes protected attention to the checked Triton kernels
+(ops/checked_attention.TRITON_ON_CUDA; each row's summary then carries the checked share of the
+attention FLOPs, `attention_checked_flops_fraction`).
 """
 
 from __future__ import annotations
@@ -191,8 +196,13 @@ def main() -> None:
     parser.add_argument("--modes", default="eager", help="eager and/or compiled (torch.compile'd models)")
     parser.add_argument("--resume", action="store_true", help="keep the workloads already in --out")
     parser.add_argument("--profile", type=Path, default=None, help="write a torch.profiler summary here")
+    parser.add_argument("--triton-attention", action="store_true", help="check attention on the Triton kernels")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "e2e_step.json")
     args = parser.parse_args()
+    if args.triton_attention:
+        from aegis_sdc.ops import checked_attention
+
+        checked_attention.TRITON_ON_CUDA = True
     args.configs = args.configs.split(",")
     rows: dict[str, Any] = {}
     if args.resume and args.out.exists():
@@ -222,7 +232,7 @@ def main() -> None:
     ]  # fmt: skip
     env = gpu_environment(batch=BATCH, seq=SEQ, hf_shape=HF_SHAPE, own_shape=dataclasses.asdict(OWN_SHAPE),
                           optimizer="AdamW(fused=True)", dtype="bf16", rounds=args.rounds,
-                          steps=args.steps)  # fmt: skip
+                          steps=args.steps, triton_attention=args.triton_attention)  # fmt: skip
     write_result(args.out, env, rows, summary, overheads={w: overheads(r) for w, r in rows.items()})
 
 

@@ -8,6 +8,8 @@
 #   attention     the attention kernels' GPU tests and speed against SDPA (results/attention.json)
 #   attention-tune         the attention kernels' blocks (results/attention_tune.json)
 #   attention-sensitivity  detection per stage and check, false alarms (results/sensitivity_attention_triton.json)
+#   attention-routed       protected models with attention on the Triton kernels: the attention and hot-path GPU
+#                          tests (no host sync per call), and the HF step unprotected / 1% budget / full
 #   tests         every GPU-marked test
 #   e2e-eager | e2e-compiled | e2e-own   the end-to-end step record (results/e2e_step.json)
 # Writes logs and results under $OUT (the device's output folder) or ./gpu-out.
@@ -52,6 +54,11 @@ case "${1:-tests}" in
     timeout 330 python benchmarks/sensitivity_attention.py --kernels triton --heads 8 --seq 512 --dim 128 \
       --clean-calls 2000 --out benchmarks/results/sensitivity_attention_triton.json 2>&1 | tail -3
     cp benchmarks/results/sensitivity_attention_triton.json "$out/" 2>/dev/null ;;
+  attention-routed)
+    timeout 240 python -m pytest -q -m gpu tests/test_attention.py tests/test_hot_path.py -k "attention or synchronize" \
+      -p no:cacheprovider 2>&1 | tee "$out/attention_routed_tests.log" | tail -15
+    timeout 330 python benchmarks/e2e_step.py --workloads hf --configs unprotected,budget_1pct,full --rounds 3 \
+      --triton-attention --out "$out/e2e_attention.json" 2>&1 | grep -v Warn | tee "$out/e2e_attention.log" ;;
   tests)
     timeout 560 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
   e2e-eager)
@@ -66,5 +73,5 @@ case "${1:-tests}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|diagnose|tune|attention|attention-tune|attention-sensitivity|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|diagnose|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

@@ -7,10 +7,10 @@ Heads are indexed flattened, N = B·H, and computed in one batched pass; per hea
 backward checksum values go to the op's hooks (the sensor of the calling module): the op knows
 nothing of thresholds or stores. Unsupported arguments raise `ValueError` naming the problem. The
 kernels (`kernels_for`, `Kernels`): CUDA operands the fused Triton kernels take
-(kernels/triton_attention.py: bf16/fp16, head dimension a power of two; dropout drawn inside them) run on those when
-`TRITON_ON_CUDA` is set — q, k, v read in place as laid out (GQA and Hugging Face's transposed
-views without copies, the mask in its broadcast shape); anything else runs on the reference kernels
-(flattened heads, K and V expanded over each group). Forward, backward and every replay of a call run
+(kernels/triton_attention.py: bf16/fp16, head dimension a power of two; dropout drawn inside them)
+run on those when `TRITON_ON_CUDA` is set — q, k, v read in place as laid out (GQA and Hugging
+Face's transposed views without copies, the mask in its broadcast shape); anything else runs on the
+reference kernels (flattened heads, K and V expanded over each group). Forward, backward and every replay of a call run
 on the same kernels.
 
 Precision: under autocast, q, k and v are first cast to the autocast dtype, as autocast casts

@@ -80,11 +80,11 @@ class AttentionRecord:
 class DeferredCheck:
     """A Triton call's check, decided at the step's end (see the module docstring)."""
 
-    packed: Any  # float64 [checks + 1] on the device: each check's largest value over the heads, the head
-    alarm: Any  # bool [] on the device: a check over its threshold (the optimizer gate reads it)
+    packed: torch.Tensor  # float64 [checks + 1] on the device: each check's largest value over the heads, the head
+    alarm: torch.Tensor  # bool [] on the device: a check over its threshold (the optimizer gate reads it)
     thresholds: tuple[float, ...]  # what the device compared against
-    replay: Any  # the suspect head's copy (CallContext.head_copy)
-    head_values: Any  # float64 [checks]: that head's values
+    replay: Any  # the suspect head's copy (ops/checked_attention.CallContext.head_copy)
+    head_values: torch.Tensor  # float64 [checks]: that head's values
     backward: bool
     alarmed_check: dict  # the sensor's (step, call, backward) → check, for a false alarm's threshold
 
