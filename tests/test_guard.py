@@ -183,3 +183,18 @@ def test_verdict_counts_reach_the_summary_and_the_store(tmp_path):
     assert json.loads(run)["confirmed"] == 1
     faults = conn.execute("SELECT step, kind FROM events WHERE kind = 'fault_injected'").fetchall()
     assert faults == [(20, "fault_injected")]
+
+
+def test_a_fault_spec_that_matches_no_site_is_named_after_the_first_step(tmp_path):
+    model, data, optimizer = small_workload()
+    faults = (
+        aegis.FaultSpec(site="layers.0.mlp.up:fwd", model="bitflip", bit=27, steps=(3,)),  # no such module
+        aegis.FaultSpec(site="layers.0.mlp.up_proj:*", model="bitflip", bit=27, steps=(3,)),  # a pattern that matches
+    )
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=faults))
+    with pytest.warns(UserWarning, match="'layers.0.mlp.up:fwd' matches no protected site") as caught:
+        train(model, data, optimizer, 2)
+    assert sum("matches no protected site" in str(w.message) for w in caught) == 1  # once, for the one spec
+    guard.close()
+    conn = sqlite3.connect(next((tmp_path / "run").glob("*.sqlite")))
+    assert conn.execute("SELECT COUNT(*) FROM events WHERE kind = 'fault_unmatched'").fetchone()[0] == 1

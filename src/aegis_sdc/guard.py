@@ -190,6 +190,7 @@ class Guard:
         self._pending_events: list[tuple[str, str, int]] = []  # events for the next record (plans, gaps)
         self.uncovered_linears: dict[str, str] = {}  # module → why the GPU kernels cannot check it
         self._collected: Collected | None = None  # a gated step between optimizer pre- and post-hook
+        self._fault_sites_named = False  # fault specs checked against the sites (after the first step)
         self.gate = OptimizerGate()
         self.host_wait_ms = 0.0  # the host's time waiting for evidence (the device still computing)
 
@@ -677,6 +678,8 @@ class Guard:
         self.counts["alarms"] += len(report.alarms)
         if records or report.verdicts:
             self._steps_seen.add(step)
+        if self.injector and not self._fault_sites_named and (records or collected.attention):
+            self._name_unmatched_faults(report)
         self._record(report)
 
         for task in report.alarms:
@@ -691,6 +694,20 @@ class Guard:
         unattributed = [v for v in report.verdicts if v.kind is VerdictKind.UNATTRIBUTED]
         self.responder.respond(report.incidents, self.optimizer, unattributed)
         return report
+
+    def _name_unmatched_faults(self, report: StepReport) -> None:
+        """After the first step that ran checks: a fault spec that matches none of this rank's sites
+        would never fire — named in a warning and the store, with what site names look like."""
+        self._fault_sites_named = True
+        names = [sensor.site.name for sensor in self.registry.gemm] + [site.name for site in self.registry.extra]
+        rank = self.identity.rank
+        for spec in self.injector.specs:
+            if (not spec.ranks or rank in spec.ranks) and not any(spec.matches(name, rank) for name in names):
+                examples = ", ".join(repr(name) for name in names[:3])
+                message = (f"fault spec site {spec.site!r} matches no protected site, so it never fires; sites "
+                           f"are named like {examples} (fnmatch patterns allowed)")  # fmt: skip
+                warnings.warn(f"aegis-sdc: {message}", stacklevel=2)
+                report.events.append(("fault_unmatched", message, None))
 
     def _exchange(self, step: int, report: StepReport) -> None:
         """The step's one collective: per site, every data-parallel rank's largest normalized difference

@@ -37,6 +37,7 @@ from torch import nn
 
 from aegis_sdc.events import FingerprintKind
 from aegis_sdc.faults.injector import FaultInjector
+from aegis_sdc.integrations.modules import GuardHook
 from aegis_sdc.ops.checked_linear import PlanTracer, SegmentTrace
 from aegis_sdc.sensors.fingerprint import FingerprintChecks, FingerprintRecord, RecomputeCapture, SavedTensorCapture
 from aegis_sdc.sensors.gemm import StepClock
@@ -84,6 +85,19 @@ class _Segment:
     autocast: tuple[str, bool, torch.dtype] | None = None
 
 
+class _Rebound(functools.partial):
+    """A module's bound checkpoint function (HF's `_gradient_checkpointing_func`) rebound to the
+    guard's `checkpoint`; copied or pickled as the function it replaced (integrations/modules.py)."""
+
+    def __new__(cls, original: functools.partial, checkpoint: Any) -> _Rebound:
+        rebound = super().__new__(cls, checkpoint, *original.args, **original.keywords)
+        rebound.original = original
+        return rebound
+
+    def __reduce__(self) -> Any:
+        return self.original.__reduce__()
+
+
 class RecomputeChecker:
     def __init__(
         self, model: nn.Module, checks: FingerprintChecks, tracer: PlanTracer, injector: FaultInjector,
@@ -113,7 +127,7 @@ class RecomputeChecker:
                 fn = getattr(module, attribute, None)
                 if isinstance(fn, functools.partial) and fn.func in (self._original, torch_own):
                     self._wrappers.append((module, attribute, fn))
-                    setattr(module, attribute, functools.partial(self.checkpoint, *fn.args, **fn.keywords))
+                    setattr(module, attribute, _Rebound(fn, self.checkpoint))
 
     def uninstall(self) -> None:
         self.closed = True  # a checker installed over this one keeps calling through: pass calls on
@@ -282,8 +296,8 @@ class SavedTensorChecker:
     def install(self) -> None:
         # Only the model itself carries hooks between sampled steps: a module with forward hooks
         # leaves PyTorch's fast call path, which costs microseconds per call on every step.
-        self._handles.append(self.model.register_forward_pre_hook(self._root_enter))
-        self._handles.append(self.model.register_forward_hook(self._root_exit, always_call=True))
+        self._handles.append(self.model.register_forward_pre_hook(GuardHook(self._root_enter)))
+        self._handles.append(self.model.register_forward_hook(GuardHook(self._root_exit), always_call=True))
         self.checks.flushers.append(self.flush)
 
     def uninstall(self) -> None:
@@ -303,8 +317,9 @@ class SavedTensorChecker:
         self.stack = ["<root>"]
         for name, sub in self.model.named_modules():
             if sub is not self.model:
-                self._step_handles.append(sub.register_forward_pre_hook(functools.partial(self._enter, name)))
-                self._step_handles.append(sub.register_forward_hook(self._exit, always_call=True))
+                enter = GuardHook(functools.partial(self._enter, name))
+                self._step_handles.append(sub.register_forward_pre_hook(enter))
+                self._step_handles.append(sub.register_forward_hook(GuardHook(self._exit), always_call=True))
         self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._context.__enter__()
 

@@ -3,7 +3,13 @@
 A CheckedLinear is the same module state under another class: it shares the original's parameter,
 buffer and hook dictionaries (not copies), so optimizers, state dicts, `named_parameters()` and
 hooks registered by users or frameworks see no difference, and `restore` only puts the original
-object back.
+object back. A Linear reachable under several names (shared by two parents) is swapped under every
+one of them, with the sensors of its first name.
+
+Copies. The guard (its store, sensors, device state) is not part of the model: `copy.deepcopy`,
+`pickle`/`torch.save` and `AveragedModel` of a protected model give the unprotected model — each
+CheckedLinear becomes the plain `nn.Linear` it wraps, a hook the guard put on a module becomes a
+no-op (`GuardHook`), a checkpoint function it rebound becomes the original again.
 """
 
 from __future__ import annotations
@@ -22,6 +28,29 @@ from aegis_sdc.ops.checked_linear import CheckedLinearFunction, LinearHooks
 LinearFilter = Callable[[str, nn.Linear], bool]
 
 
+def detached_hook(*args: object, **kwargs: object) -> None:
+    """What a guard's hook becomes in a copy of the model: nothing."""
+    return None
+
+
+def _detached() -> Callable[..., None]:
+    return detached_hook
+
+
+class GuardHook:
+    """A hook the guard registers on a module of the model. A copy or pickle of the model holds
+    `detached_hook` in its place (the guard is not copied)."""
+
+    def __init__(self, fn: Callable[..., object]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        return self.fn(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: object) -> tuple:
+        return (_detached, ())
+
+
 class CheckedLinear(nn.Linear):
     """An `nn.Linear` whose forward, dgrad and wgrad GEMMs are checked."""
 
@@ -30,7 +59,7 @@ class CheckedLinear(nn.Linear):
     aegis_handle: int  # its hooks in ops/linear_op.py's registry (the compiled path)
 
     @classmethod
-    def wrap(cls, linear: nn.Linear, name: str, hooks: LinearHooks) -> CheckedLinear:
+    def wrap(cls, linear: nn.Module, name: str, hooks: LinearHooks) -> CheckedLinear:
         checked = cls.__new__(cls)
         checked.__dict__.update(linear.__dict__)  # shares _parameters, _buffers, _modules, hook dicts
         object.__setattr__(checked, "aegis_name", name)
@@ -40,52 +69,96 @@ class CheckedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return self._compiled(x)
-        hooks = self.aegis_hooks
-        plans = hooks.plans_for_call(x, self.weight)
+            return compiled_call(self.aegis_handle, x, self.weight, self.bias)
+        plans = self.aegis_hooks.plans_for_call(x, self.weight)
         if plans is None:  # not sampled in this step: exactly nn.Linear
             return F.linear(x, self.weight, self.bias)
-        return self._checked(x, plans)
-
-    def _checked(self, x: torch.Tensor, plans: tuple) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
-        _validate(self.aegis_name, x, weight, self.in_features)
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-            raise TypeError(
-                f"{self.aegis_name}: input dtype {x.dtype} does not match weight dtype {weight.dtype}"
-                + ("" if bias is None else f" / bias dtype {bias.dtype}")
-                + "; cast the input or run under torch.autocast"
-            )
-        if x.numel() == 0 or self.in_features == 0 or self.out_features == 0:
-            return F.linear(x, weight, bias)  # nothing to check: no products are summed
-        x2d = x.reshape(-1, self.in_features)
-        gap = self.aegis_hooks.gpu_gap(x2d, weight)
-        if gap is not None:
-            self.aegis_hooks.uncovered(self.aegis_name, gap)
-            return F.linear(x, weight, bias)
-        # The parameter itself (detached: same storage and version counter) keys the weight-stats cache
-        # when `weight` is an autocast copy.
-        y = CheckedLinearFunction.apply(x2d, weight, bias, self.aegis_hooks, self.weight.detach(), plans)
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-    def _compiled(self, x: torch.Tensor) -> torch.Tensor:
-        """Under torch.compile: one opaque custom op; the decisions are taken inside it at run time."""
-        weight, bias = self.weight, self.bias
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        y = torch.ops.aegis_sdc.linear(x.reshape(-1, self.in_features), weight, bias, self.aegis_handle)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return checked_call(self.aegis_name, self.aegis_hooks, x, self.weight, self.bias, self.weight, plans)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", checked=True"
+
+    def __reduce_ex__(self, protocol: object) -> tuple:
+        # copied or pickled as the plain module it wraps (the module docstring: copies)
+        return _plain_reduce(self)
+
+
+def _plain_reduce(module: nn.Module) -> tuple:
+    state = {key: value for key, value in module.__dict__.items() if not key.startswith("aegis_")}
+    return (object.__new__, (type(module).__mro__[1],), state)
+
+
+def checked_call(name: str, hooks: LinearHooks, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 parameter: torch.Tensor, plans: tuple) -> torch.Tensor:  # fmt: skip
+    """Y = X·Wᵀ + b for a planned call, W [out, in] (a Conv1D's transposed view too); `parameter`
+    is the weight parameter (it keys the weight statistics when W is an autocast copy or a view)."""
+    out_features, in_features = weight.shape
+    _validate(name, x, weight, in_features)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise TypeError(
+            f"{name}: input dtype {x.dtype} does not match weight dtype {weight.dtype}"
+            + ("" if bias is None else f" / bias dtype {bias.dtype}")
+            + "; cast the input or run under torch.autocast"
+        )
+    if x.numel() == 0 or in_features == 0 or out_features == 0:
+        return F.linear(x, weight, bias)  # nothing to check: no products are summed
+    x2d = x.reshape(-1, in_features)
+    gap = hooks.gpu_gap(x2d, weight)
+    if gap is not None:
+        hooks.uncovered(name, gap)
+        return F.linear(x, weight, bias)
+    # The parameter itself (detached: same storage and version counter) keys the weight-stats cache
+    # when `weight` is an autocast copy.
+    y = CheckedLinearFunction.apply(x2d, weight, bias, hooks, parameter.detach(), plans)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def compiled_call(handle: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Under torch.compile: one opaque custom op; the decisions are taken inside it at run time."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    y = torch.ops.aegis_sdc.linear(x.reshape(-1, weight.shape[1]), weight, bias, handle)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's `transformers.pytorch_utils.Conv1D` (GPT-2's projections): Y = X·W + b with W
+    [in, out] — a Linear with its weight transposed (matched by name: transformers is optional)."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
+
+
+_CHECKED_CONV1D: dict[type, type] = {}
+
+
+def checked_conv1d_class(base: type) -> type:
+    """The checked subclass of a Conv1D class: its GEMMs those of the Linear with W [out, in] =
+    Conv1D.weightᵀ (a view: the gradient reaches the parameter through it); unsampled calls run
+    Conv1D's own forward."""
+    cls = _CHECKED_CONV1D.get(base)
+    if cls is None:
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            weight = self.weight.t()  # [out, in]
+            if torch.compiler.is_compiling():
+                return compiled_call(self.aegis_handle, x, weight, self.bias)
+            plans = self.aegis_hooks.plans_for_call(x, weight)
+            if plans is None:
+                return base.forward(self, x)
+            return checked_call(self.aegis_name, self.aegis_hooks, x, weight, self.bias, self.weight, plans)
+
+        members = {"forward": forward, "wrap": classmethod(CheckedLinear.wrap.__func__),
+                   "__reduce_ex__": CheckedLinear.__reduce_ex__, "__module__": __name__}  # fmt: skip
+        cls = _CHECKED_CONV1D[base] = type(f"Checked{base.__name__}", (base,), members)
+    return cls
 
 
 def _validate(name: str, x: torch.Tensor, weight: torch.Tensor, in_features: int) -> None:
@@ -118,7 +191,8 @@ def select_linears(
     """The Linears to protect, in module order (identical on every rank)."""
     chosen = []
     for name, module in model.named_modules():
-        if type(module) is not nn.Linear:  # subclasses (quantized, LoRA, ...) have other semantics
+        # subclasses (quantized, LoRA, ...) have other semantics; HF's Conv1D is a transposed Linear
+        if type(module) is not nn.Linear and not is_hf_conv1d(module):
             continue
         label = name or "<root>"
         if not any(fnmatch.fnmatchcase(label, p) for p in include):
@@ -135,18 +209,23 @@ def swap_linears(model: nn.Module, chosen: list[tuple[str, nn.Linear]], make_hoo
     """Replace each chosen Linear by a CheckedLinear; `make_hooks(name, linear)` builds its sensors."""
     if any(name == "<root>" for name, _ in chosen):
         raise ValueError("protect() needs a model that contains Linear layers, not a bare nn.Linear; wrap it")
+    places: dict[int, list[tuple[nn.Module, str]]] = {}  # every (parent, attribute) holding each Linear
+    for parent in model.modules():
+        for attr, child in parent.named_children():
+            places.setdefault(id(child), []).append((parent, attr))
     swaps = []
     for name, linear in chosen:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        checked = CheckedLinear.wrap(linear, name, make_hooks(name, linear))
-        setattr(parent, attr, checked)
-        swaps.append(Swap(parent, attr, linear, checked))
+        cls = CheckedLinear if type(linear) is nn.Linear else checked_conv1d_class(type(linear))
+        checked = cls.wrap(linear, name, make_hooks(name, linear))
+        for parent, attr in places[id(linear)]:
+            setattr(parent, attr, checked)
+            swaps.append(Swap(parent, attr, linear, checked))
     return swaps
 
 
 def restore_linears(swaps: list[Swap]) -> None:
+    for handle in {swap.checked.aegis_handle for swap in swaps}:
+        linear_op.unregister(handle)
     for swap in reversed(swaps):
-        linear_op.unregister(swap.checked.aegis_handle)
         if getattr(swap.parent, swap.attr, None) is swap.checked:
             setattr(swap.parent, swap.attr, swap.original)

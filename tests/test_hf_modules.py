@@ -1,0 +1,67 @@
+"""Hugging Face's matmul modules beyond nn.Linear: GPT-2's `Conv1D` (Y = X·W + b, W [in, out]) is
+protected as the Linear with Wᵀ (integrations/modules.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tests.helpers import guard_config
+
+import aegis_sdc as aegis
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_gpt2s_conv1d_projections_are_protected_and_a_fault_in_one_is_confirmed(tmp_path):
+    model = _gpt2()
+    conv1d = [name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    assert len(conv1d) == 8  # c_attn, c_proj, mlp.c_fc, mlp.c_proj per block
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    site = "transformer.h.1.mlp.c_fc"
+    faults = tuple(aegis.FaultSpec(site=f"{site}:{kind}", model="bitflip", bit=27, steps=(step,), row=3, col=5)
+                   for kind, step in (("fwd", 4), ("dgrad", 5), ("wgrad", 6)))  # fmt: skip
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=faults))
+    checked = {name for name, m in model.named_modules() if type(m).__name__ == "CheckedConv1D"}
+    assert checked == set(conv1d)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        ids = torch.randint(0, 128, (4, 32), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    summary = guard.close()
+    assert sorted((i.step, i.site.name) for i in guard.incidents) == [
+        (4, f"{site}:fwd"), (5, f"{site}:dgrad"), (6, f"{site}:wgrad")
+    ]  # fmt: skip
+    assert summary.false_alarms == 0
+    assert not any(":" in key and key.split(":")[0] in conv1d for key in summary.coverage["not_covered"])
+    assert all(type(m).__name__ == "Conv1D" for name, m in model.named_modules() if name in conv1d)  # restored
+
+
+def test_an_unsampled_conv1d_call_is_conv1ds_own_and_copies_are_plain(tmp_path):
+    # Nothing sampled once each site's one calibration check is taken (attention left to SDPA): the
+    # protected model then computes exactly what the unprotected one does — Conv1D's own addmm.
+    model = _gpt2()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    config = guard_config(tmp_path, sampling=aegis.SamplingConfig(probability=0.0), attention=False,
+                          thresholds=aegis.ThresholdConfig(calibration_checks=1))  # fmt: skip
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    ids = torch.randint(0, 128, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()  # step 0: every site's calibration check
+    optimizer.step()
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    copied = copy.deepcopy(model)
+    assert all(type(m).__name__ != "CheckedConv1D" for m in copied.modules())
+    assert guard.close().checks == 3 * 9  # step 0: 8 Conv1D and the head, three GEMMs each
