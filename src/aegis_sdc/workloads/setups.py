@@ -257,7 +257,7 @@ def _site(model: str, kind: str) -> str:
         "llama": "layers.0.mlp.up_proj",
         "hf-llama": "model.layers.0.mlp.up_proj",
         "hf-qwen2": "model.layers.0.mlp.up_proj",
-        "hf-gpt2": "lm_head",  # GPT-2's blocks use transformers' Conv1D: its only nn.Linear is the head
+        "hf-gpt2": "lm_head",  # the head (its blocks' Conv1D projections are protected too)
         "hf-bert": "bert.encoder.layer.0.intermediate.dense",
     }[model]
     return f"{module}:{kind}"
