@@ -85,6 +85,21 @@ Listener = Callable[[str, Any], None]
 COMM_SLOTS = 256  # collectives exchanged per step (the exchange tensor has a fixed shape)
 
 
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer that steps: wrappers that hold it as `.optimizer` (accelerate's
+    `AcceleratedOptimizer`, Lightning's `LightningOptimizer`) are unwrapped."""
+    inner = optimizer
+    while not _has_step_hooks(inner) and isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    if not isinstance(inner, torch.optim.Optimizer) or not _has_step_hooks(inner):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return inner
+
+
+def _has_step_hooks(optimizer: Any) -> bool:
+    return isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks")
+
+
 @dataclass(frozen=True)
 class GuardSummary:
     steps: int
@@ -138,8 +153,7 @@ class Guard:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"protect() expects an nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        optimizer = None if optimizer is None else unwrap_optimizer(optimizer)
         if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
             # torch.compile(model) before protect(): protect the module it wraps (its forward is
             # traced at the first call, after the swap), so that site names do not depend on the order.
@@ -191,6 +205,7 @@ class Guard:
         self.uncovered_linears: dict[str, str] = {}  # module → why the GPU kernels cannot check it
         self._collected: Collected | None = None  # a gated step between optimizer pre- and post-hook
         self._fault_sites_named = False  # fault specs checked against the sites (after the first step)
+        self._start_step, self._warned_no_boundary = start_step, False
         self.gate = OptimizerGate()
         self.host_wait_ms = 0.0  # the host's time waiting for evidence (the device still computing)
 
@@ -346,9 +361,9 @@ class Guard:
         self._listeners.append(listener)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """End each step at `optimizer.step()` (for optimizers built after `protect`, e.g. after FSDP2)."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        """End each step at `optimizer.step()` (for optimizers built after `protect`, e.g. after FSDP2;
+        a wrapper such as accelerate's `AcceleratedOptimizer` is unwrapped to the optimizer it steps)."""
+        optimizer = unwrap_optimizer(optimizer)
         self.optimizer = optimizer
         self._handles.append(optimizer.register_step_pre_hook(self._optimizer_pre_step))
         self._handles.append(optimizer.register_step_post_hook(self._optimizer_post_step))
@@ -467,6 +482,9 @@ class Guard:
     def _advance(self) -> None:
         self.clock.step += 1
         self.comm_checks.step = self.clock.step
+        for checker in self._checkers:  # checkpointing enabled since the last step (a scan of the modules)
+            if isinstance(checker, RecomputeChecker):
+                checker.rebind()
         self._begin_plan()
 
     def _begin_plan(self) -> None:
@@ -582,6 +600,14 @@ class Guard:
 
     def _after_call(self) -> None:
         if len(self.recorder) >= self.config.max_pending_calls:
+            if self.optimizer is None and self.clock.step == self._start_step and not self._warned_no_boundary:
+                self._warned_no_boundary = True
+                warnings.warn(
+                    f"aegis-sdc: {len(self.recorder)} checked calls and no step boundary yet: pass the optimizer "
+                    "that steps the model (protect(model, optimizer=...) or guard.attach_optimizer), or call "
+                    "guard.step() after each backward; with transformers' Trainer use "
+                    "aegis_sdc.integrations.hf.protect_trainer(trainer)", stacklevel=3,
+                )  # fmt: skip
             self.flush()
 
     def _emit(self, event: str, payload: Any) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,15 +118,22 @@ class RecomputeChecker:
     def install(self) -> None:
         self._original = torch_checkpoint.checkpoint
         torch_checkpoint.checkpoint = self.checkpoint
-        # Functions bound before any guard (checkpoint_wrapper, HF's partials) hold torch's own
-        # checkpoint, also when another guard's checker is installed below this one.
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Rebind the model's bound checkpoint functions (checkpoint_wrapper, HF's partials) that hold
+        torch's own checkpoint — also when another guard's checker is installed below this one. Run
+        at install and at every step's start: gradient checkpointing enabled after `protect()` (as
+        `TrainingArguments(gradient_checkpointing=True)` does) is checked from the next step on."""
+        if self.closed:
+            return
         torch_own = self._original
         while isinstance(getattr(torch_own, "__self__", None), RecomputeChecker):
             torch_own = torch_own.__self__._original
         for module in self.model.modules():
             for attribute in BOUND_CHECKPOINT_ATTRIBUTES:
-                fn = getattr(module, attribute, None)
-                if isinstance(fn, functools.partial) and fn.func in (self._original, torch_own):
+                fn = module.__dict__.get(attribute)
+                if type(fn) is functools.partial and fn.func in (self._original, torch_own):
                     self._wrappers.append((module, attribute, fn))
                     setattr(module, attribute, _Rebound(fn, self.checkpoint))
 
@@ -141,11 +149,23 @@ class RecomputeChecker:
         self._wrappers = []
 
     def segment_name(self, function: Any) -> str:
-        target = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+        bound = None  # HF layers checkpoint partial(forward, self, ...) (older releases: partial(super().__call__))
+        while isinstance(function, functools.partial):
+            if bound is None and function.args and isinstance(function.args[0], nn.Module):
+                bound = function.args[0]
+            function = function.func
+        target = function if isinstance(function, nn.Module) else getattr(function, "__self__", bound)
         name = self.names.get(id(target)) if target is not None else None
         if name is None:
             name = getattr(function, "__qualname__", type(function).__name__)
         return name.removesuffix(WRAPPED_SUFFIX) or "<root>"
+
+    def _name_reentrant(self, function: Any) -> None:
+        """A reentrant segment runs unchecked: named once, in a warning and the coverage report."""
+        name = self.segment_name(function)
+        reason = "reentrant activation checkpointing (the recompute check needs use_reentrant=False)"
+        if self.checks.name_uncovered(name, FingerprintKind.RECOMPUTE, reason):
+            warnings.warn(f"aegis-sdc: {name}: recomputation not checked — {reason}", stacklevel=4)
 
     # -- the checked checkpoint ------------------------------------------------------------------
     def checkpoint(self, function, *args, use_reentrant: bool | None = None, **kwargs):
@@ -154,6 +174,8 @@ class RecomputeChecker:
         # Under torch.compile the compiler owns recomputation (the check runs in eager mode only).
         compiling = torch.compiler.is_compiling()
         if use_reentrant is not False or not torch.is_grad_enabled() or self.closed or compiling:
+            if use_reentrant is not False and torch.is_grad_enabled() and not (self.closed or compiling):
+                self._name_reentrant(function)
             return original(function, *args, use_reentrant=use_reentrant, **kwargs)
         state = self.checks.site(self.segment_name(function), FingerprintKind.RECOMPUTE)
         step = self.clock.step

@@ -150,6 +150,14 @@ class FingerprintChecks:
     sites: dict[str, FingerprintSite] = field(default_factory=dict)
     records: list[FingerprintRecord] = field(default_factory=list)
     flushers: list[Callable[[], None]] = field(default_factory=list)  # run before the records are taken
+    uncovered: dict[str, str] = field(default_factory=dict)  # site name → why it cannot be checked
+
+    def name_uncovered(self, module: str, kind: FingerprintKind, reason: str) -> bool:
+        """A segment the sensor cannot check, for the coverage report; True the first time."""
+        key = f"{module}:{kind.value}"
+        first = key not in self.uncovered
+        self.uncovered[key] = reason
+        return first
 
     def site(self, module: str, kind: FingerprintKind) -> FingerprintSite:
         key = f"{module}:{kind.value}"
@@ -206,8 +214,11 @@ class FingerprintChecks:
             "recompute_sites_checked": sorted(by_kind[FingerprintKind.RECOMPUTE.value]),
             "saved_tensor_sites_checked": sorted(by_kind[FingerprintKind.SAVED.value]),
             "not_covered": {
-                s.site.name: f"not deterministic — not covered ({s.not_deterministic})"
-                for s in self.sites.values()
-                if s.not_deterministic is not None
+                **{
+                    s.site.name: f"not deterministic — not covered ({s.not_deterministic})"
+                    for s in self.sites.values()
+                    if s.not_deterministic is not None
+                },
+                **self.uncovered,
             },
         }
