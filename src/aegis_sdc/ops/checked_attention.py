@@ -70,6 +70,13 @@ class AttentionHooks(Protocol):
     def observe(self, plan: Any, backward: bool, values: torch.Tensor, capture: Any) -> None: ...
 
 
+def attention_flops(heads: int, queries: int, keys: int, dim: int, causal: bool) -> float:
+    """Matmul FLOPs of one call, forward and backward: QKᵀ and P·V forward (2 · 2·Sq·Sk·D per head),
+    and in backward the scores again, dV, dP, dQ and dK (5 such products); half of it under a
+    causal mask."""
+    return 7 * 2.0 * heads * queries * keys * dim * (0.5 if causal else 1.0)
+
+
 def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:

@@ -20,6 +20,7 @@ import torch
 from aegis_sdc.kernels import triton_gemm as tg
 from aegis_sdc.kernels.gemm_side import SideMatrix
 from aegis_sdc.kernels.reference import Tiling, checked_gemm
+from aegis_sdc.ops.checked_attention import attention_flops, checked_attention
 from aegis_sdc.ops.triton_linear import WeightStats, row_sums
 
 ORIENTATION = {"fwd": (False, True), "dgrad": (False, False), "wgrad": (True, False)}  # (A stored ᵀ, B stored ᵀ)
@@ -120,9 +121,6 @@ def attention_check_cost_ms(
     """Milliseconds a checked attention call (forward and backward, ops/checked_attention.py on the
     kernels it would run) adds over SDPA's default backend, timed on random operands [1, heads, S, D]
     — at most ATTENTION_TIMED_FLOPS per call, scaled by heads (each head costs alike)."""
-    from aegis_sdc.ops.checked_attention import checked_attention
-    from aegis_sdc.sensors.attention import attention_flops
-
     timed = max(1, min(heads, int(ATTENTION_TIMED_FLOPS // max(attention_flops(1, queries, keys, dim, causal), 1))))
     gen = torch.Generator(device=device).manual_seed(0)
     q, dout = (torch.randn(1, timed, queries, dim, generator=gen, device=device).to(dtype) for _ in range(2))

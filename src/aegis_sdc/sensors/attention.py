@@ -28,6 +28,7 @@ from aegis_sdc.faults.injector import FaultInjector, Injection
 from aegis_sdc.faults.models import resolve
 from aegis_sdc.hashing import unit_hash
 from aegis_sdc.kernels.attention_reference import BACKWARD_CHECKS, HeadFault, backward_bound
+from aegis_sdc.ops.checked_attention import attention_flops
 from aegis_sdc.sensors.sampling import Sampler
 from aegis_sdc.sensors.thresholds import ThresholdState, worst_case_bound
 
@@ -143,13 +144,6 @@ def _same(a, b) -> bool:
         torch.equal(x.contiguous().view(ints[x.element_size()]), y.contiguous().view(ints[y.element_size()]))
         for x, y in zip(a, b, strict=True)
     )
-
-
-def attention_flops(heads: int, queries: int, keys: int, dim: int, causal: bool) -> float:
-    """Matmul FLOPs of one call, forward and backward: QKᵀ and P·V forward (2 · 2·Sq·Sk·D per head),
-    and in backward the scores again, dV, dP, dQ and dK (5 such products); half of it under a
-    causal mask."""
-    return 7 * 2.0 * heads * queries * keys * dim * (0.5 if causal else 1.0)
 
 
 class AttentionSensor:
