@@ -81,3 +81,29 @@ def test_a_clean_fit_confirms_nothing(tmp_path, manual):
     summary = callback.summary
     assert summary.steps == 8 and summary.confirmed == 0 and summary.not_verifiable == 0
     assert summary.checks == 8 * 8 * 3 and summary.attention_checks == 8 * 2  # every Linear's 3 GEMMs, attention
+
+
+def test_a_guard_bound_to_the_optimizers_pre_hook_under_lightning_names_the_mistake(tmp_path):
+    # The wiring the callback replaces: protect(module, optimizer=...) in configure_optimizers. Under
+    # automatic optimization the pre-hook runs before the closure's forward and backward, so a
+    # forward fault is judged a step late, after its weight was updated: not verifiable — and the
+    # guard says why, with the fix.
+    fault = aegis.FaultSpec(site="model.layers.0.mlp.up_proj:fwd", model="bitflip", bit=30, steps=(FAULT_STEP,))
+    config = guard_config(tmp_path, faults=(fault,), thresholds=aegis.ThresholdConfig(calibration_checks=4))
+
+    class Wired(LlamaModule):
+        def configure_optimizers(self):
+            optimizer = super().configure_optimizers()
+            self.guard = aegis.protect(self, optimizer=optimizer, config=config)
+            return optimizer
+
+    module = Wired()
+    tokens = torch.randint(0, SMALL.vocab_size, (64, 33), generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
+    trainer = lightning.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False,
+                                default_root_dir=str(tmp_path / "pl"))  # fmt: skip
+    with pytest.warns(UserWarning, match="step boundary comes after the optimizer's update.*AegisCallback"):
+        trainer.fit(module, data)
+    summary = module.guard.close()
+    assert summary.not_verifiable >= 1 and summary.confirmed == 0

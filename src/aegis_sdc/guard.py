@@ -65,6 +65,7 @@ from aegis_sdc.kernels.reference import Tiling
 from aegis_sdc.ops.checked_linear import LinearHooks, PlanTracer
 from aegis_sdc.ops.cost import attention_check_cost_ms, check_cost_ms
 from aegis_sdc.ops.fingerprint import FingerprintPool
+from aegis_sdc.ops.gemm_replay import MODIFIED_BEFORE_REPLAY
 from aegis_sdc.ops.triton_linear import DeviceState
 from aegis_sdc.response.policies import Responder
 from aegis_sdc.runtime import evidence as step_evidence
@@ -205,7 +206,7 @@ class Guard:
         self.uncovered_linears: dict[str, str] = {}  # module → why the GPU kernels cannot check it
         self._collected: Collected | None = None  # a gated step between optimizer pre- and post-hook
         self._fault_sites_named = False  # fault specs checked against the sites (after the first step)
-        self._start_step, self._warned_no_boundary = start_step, False
+        self._start_step, self._warned_no_boundary, self._warned_late_boundary = start_step, False, False
         self.gate = OptimizerGate()
         self.host_wait_ms = 0.0  # the host's time waiting for evidence (the device still computing)
 
@@ -691,6 +692,8 @@ class Guard:
                 self.sensors[verdict.site.id].on_false_alarm(evidence)
             elif verdict.kind is VerdictKind.FALSE_ALARM and verdict.site.id in self._false_alarm_handlers:
                 self._false_alarm_handlers[verdict.site.id](evidence)
+            elif verdict.kind is VerdictKind.NOT_VERIFIABLE and MODIFIED_BEFORE_REPLAY in verdict.detail:
+                self._name_late_boundary()
             elif verdict.kind is VerdictKind.NOT_DETERMINISTIC:
                 state = self.fingerprints.sites.get(verdict.site.name)
                 if state is not None:
@@ -720,6 +723,19 @@ class Guard:
         unattributed = [v for v in report.verdicts if v.kind is VerdictKind.UNATTRIBUTED]
         self.responder.respond(report.incidents, self.optimizer, unattributed)
         return report
+
+    def _name_late_boundary(self) -> None:
+        """A replay found its weight already updated: the step ended after the update. Warned once."""
+        if self._warned_late_boundary:
+            return
+        self._warned_late_boundary = True
+        warnings.warn(
+            "aegis-sdc: an alarm could not be verified because its weight was updated before the step "
+            "ended — the step boundary comes after the optimizer's update (as an optimizer pre-hook does "
+            "under Lightning's automatic optimization, which runs forward and backward inside "
+            "optimizer.step). Use aegis_sdc.integrations.lightning.AegisCallback, or call guard.step() "
+            "after backward and before the update (docs/integrations.md)", stacklevel=3,
+        )  # fmt: skip
 
     def _name_unmatched_faults(self, report: StepReport) -> None:
         """After the first step that ran checks: a fault spec that matches none of this rank's sites

@@ -35,6 +35,9 @@ from aegis_sdc.kernels.reference import (
 )
 
 EXTENTS = ("tile", "rows", "cols")
+# A referenced weight updated between the call and its verification: the step's boundary came after
+# the update (the guard names the wiring mistake when a verdict says so).
+MODIFIED_BEFORE_REPLAY = "was modified before the replay"
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ class ReferencedOperands:
     def references_changed(self) -> str | None:
         for tensor, version in zip(self.references, self.versions, strict=True):
             if tensor._version != version:
-                return f"a referenced tensor of shape {tuple(tensor.shape)} was modified before the replay"
+                return f"a referenced tensor of shape {tuple(tensor.shape)} {MODIFIED_BEFORE_REPLAY}"
             if tensor.numel() and tensor.untyped_storage().nbytes() == 0:
                 return (
                     f"a referenced tensor of shape {tuple(tensor.shape)} was freed before the replay"
