@@ -65,3 +65,62 @@ def test_an_unsampled_conv1d_call_is_conv1ds_own_and_copies_are_plain(tmp_path):
     copied = copy.deepcopy(model)
     assert all(type(m).__name__ != "CheckedConv1D" for m in copied.modules())
     assert guard.close().checks == 3 * 9  # step 0: 8 Conv1D and the head, three GEMMs each
+
+
+def _one_step(model, tmp_path, ids):
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))  # CPU: every call checked
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    report = guard.coverage_report()
+    guard.close()
+    return report
+
+
+def test_the_coverage_report_counts_gpt2s_and_berts_matmul_flops(tmp_path):
+    # Analytic counts at 4 × 32 tokens (T = 128): a protected module's three GEMMs cost 3 · 2·T·in·out;
+    # attention per layer 14·B·H·S²·D (forward QKᵀ and P·V, backward the scores again, dV, dP, dQ,
+    # dK), half of it for GPT-2's causal calls; BERT's have no mask (full).
+    t, b, h, s, d = 128, 4, 4, 32, 16
+    ids = torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(3))
+    gpt2 = _one_step(_gpt2(), tmp_path / "gpt2", ids)
+    per_layer = 64 * 192 + 64 * 64 + 64 * 256 + 256 * 64  # c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+    assert gpt2.protected == {"Conv1D": 8, "Linear": 1}
+    assert gpt2.gemm_flops == 3 * 2 * t * (2 * per_layer + 64 * 128)  # and lm_head
+    assert gpt2.attention_flops == 2 * 14 * b * h * s * s * d / 2
+    assert gpt2.checked_share == 1.0 and gpt2.not_covered == {}
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                     vocab_size=128, max_position_embeddings=64)  # fmt: skip
+    bert = _one_step(transformers.BertForMaskedLM(config), tmp_path / "bert", ids)
+    per_layer = 4 * 64 * 64 + 64 * 128 + 128 * 64  # q, k, v, attention output; intermediate, output
+    assert bert.protected == {"Linear": 14}
+    assert bert.gemm_flops == 3 * 2 * t * (2 * per_layer + 64 * 64 + 64 * 128)  # and the MLM head's two
+    assert bert.attention_flops == 2 * 14 * b * h * s * s * d
+    assert "protected: 14 Linear" in bert.describe()
+
+
+class WithUncheckedMatmuls(torch.nn.Module):
+    """A Linear subclass (as LoRA and quantized layers are) and nn.MultiheadAttention beside a Linear."""
+
+    class Scaled(torch.nn.Linear):
+        pass
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = torch.nn.Linear(16, 16)
+        self.scaled = self.Scaled(16, 16)
+        self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+
+def test_matmul_modules_left_unprotected_are_named_with_the_reason(tmp_path):
+    model = WithUncheckedMatmuls()
+    with pytest.warns(UserWarning, match="3 matmul modules not protected"):
+        guard = aegis.protect(model, config=guard_config(tmp_path))
+    report = guard.coverage_report()
+    guard.close()
+    assert report.protected == {"Linear": 1}
+    assert set(report.not_covered) == {"scaled", "mha", "mha.out_proj"}
+    assert "subclass of nn.Linear" in report.not_covered["scaled"]
+    assert "multi_head_attention_forward" in report.not_covered["mha"]

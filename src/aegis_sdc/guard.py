@@ -19,6 +19,7 @@ The step ends in the optimizer's step hooks, or at `Guard.step()` for loops with
 from __future__ import annotations
 
 import functools
+import logging
 import platform
 import time
 import warnings
@@ -70,6 +71,7 @@ from aegis_sdc.ops.triton_linear import DeviceState
 from aegis_sdc.response.policies import Responder
 from aegis_sdc.runtime import evidence as step_evidence
 from aegis_sdc.runtime.budget import BudgetController, BudgetPlan, StepTimer
+from aegis_sdc.runtime.coverage import CoverageReport, unprotected_modules
 from aegis_sdc.runtime.evidence import Collected
 from aegis_sdc.runtime.gate import OptimizerGate, gateable
 from aegis_sdc.runtime.plan import GEMMS_PER_LINEAR, StepPlan
@@ -82,6 +84,7 @@ from aegis_sdc.sensors.sampling import Sampler
 from aegis_sdc.store.sqlite import Store, rank_db_path
 from aegis_sdc.verify.verifier import Verifier
 
+log = logging.getLogger("aegis_sdc")
 Listener = Callable[[str, Any], None]
 COMM_SLOTS = 256  # collectives exchanged per step (the exchange tensor has a fixed shape)
 
@@ -207,6 +210,7 @@ class Guard:
         self._collected: Collected | None = None  # a gated step between optimizer pre- and post-hook
         self._fault_sites_named = False  # fault specs checked against the sites (after the first step)
         self._start_step, self._warned_no_boundary, self._warned_late_boundary = start_step, False, False
+        self._coverage_logged, self._last_checked_gemm_flops, self._last_recorded_step = False, 0.0, start_step
         self.gate = OptimizerGate()
         self.host_wait_ms = 0.0  # the host's time waiting for evidence (the device still computing)
 
@@ -221,6 +225,11 @@ class Guard:
         self.attention_records: list[AttentionRecord] = []
         self.attention_sensors: dict[str, AttentionSensor] = {}
         self._swaps = swap_linears(model, chosen, self._make_hooks)
+        self.unprotected_modules = unprotected_modules(model, {id(swap.checked) for swap in self._swaps})
+        if self.unprotected_modules:  # named at once: nothing matmul-bearing is left out silently
+            first, reason = next(iter(self.unprotected_modules.items()))
+            warnings.warn(f"aegis-sdc: {len(self.unprotected_modules)} matmul modules not protected, e.g. {first}: "
+                          f"{reason} (guard.coverage_report() names each)", stacklevel=3)  # fmt: skip
         self._begin_plan()
         self._setup_fingerprints(model, config)
         self._false_alarm_handlers: dict[int, Callable[[Evidence], None]] = {}
@@ -437,8 +446,26 @@ class Guard:
         total = sum(s.flops["total"] for s in self.attention_sensors.values())
         return sum(s.flops["checked"] for s in self.attention_sensors.values()) / total if total else 0.0
 
+    def coverage_report(self) -> CoverageReport:
+        """What is protected, the matmul FLOPs of the last recorded step and their checked share, and
+        what is not covered and why (runtime/coverage.py)."""
+        protected: Counter[str] = Counter()
+        for checked in {id(swap.checked): swap.original for swap in self._swaps}.values():
+            protected[type(checked).__name__] += 1
+        calls = self._last_calls or [0] * self.plan.linears
+        gemm = sum(calls[s.site.id // GEMMS_PER_LINEAR] * s.flops for s in self.sensors)
+        step = self._last_recorded_step
+        attention = checked_attention = 0.0
+        for sensor in self.attention_sensors.values():
+            made, checked = sensor.calls_of_step(step)
+            attention += made * sensor.call_flops
+            checked_attention += checked * sensor.call_flops
+        return CoverageReport(dict(protected), gemm, attention, self._last_checked_gemm_flops + checked_attention,
+                              self._coverage()["not_covered"])  # fmt: skip
+
     def _coverage(self) -> dict[str, Any]:
         coverage = self.fingerprints.coverage()
+        coverage["not_covered"].update(self.unprotected_modules)
         for module, reason in self.uncovered_linears.items():
             for kind in GemmKind:
                 coverage["not_covered"][f"{module}:{kind.value}"] = reason
@@ -791,6 +818,10 @@ class Guard:
         self.counts["checked_flops"] += flops.checked
         if flops.total:
             self.last_checked_flops_fraction = flops.checked / flops.total
+            self._last_checked_gemm_flops, self._last_recorded_step = flops.checked, report.step
+            if not self._coverage_logged:  # once, after the first step that ran: the report with its FLOPs
+                self._coverage_logged = True
+                log.info("aegis-sdc coverage:\n%s", self.coverage_report().describe())
 
 
 def _versions() -> dict[str, str]:

@@ -166,6 +166,8 @@ class AttentionSensor:
         self.shape: tuple | None = None  # the last call's (heads, queries, keys, dim, dtype, causal)
         self.call_flops = 0.0  # the last call's forward and backward FLOPs
         self.calls_last_step = 0
+        self.checked_last_step = 0
+        self._checked = 0  # calls checked in the current step
         self.flops = {"total": 0.0, "checked": 0.0}  # over every call planned
         self.injector = injector
         self.clock = clock
@@ -177,6 +179,14 @@ class AttentionSensor:
         return self.backward_site if backward else self.forward_site
 
     # -- hot path ----------------------------------------------------------------------------------
+    def calls_of_step(self, step: int) -> tuple[int, int]:
+        """(calls, checked calls) of `step`: the current one or the one before it."""
+        if step == self._call_step:
+            return self._calls, self._checked
+        if step == self._call_step - 1:
+            return self.calls_last_step, self.checked_last_step
+        return 0, 0
+
     @property
     def calibrating(self) -> bool:
         return any(state.calibrating for states in self.states.values() for state in states)
@@ -186,8 +196,8 @@ class AttentionSensor:
         step = self.clock.step
         if step != self._call_step:
             if self._call_step >= 0:
-                self.calls_last_step = self._calls
-            self._call_step, self._calls = step, 0
+                self.calls_last_step, self.checked_last_step = self._calls, self._checked
+            self._call_step, self._calls, self._checked = step, 0, 0
         if self.shape != (heads, queries, keys, dim, dtype, causal):
             self.shape = (heads, queries, keys, dim, dtype, causal)
             self.call_flops = attention_flops(heads, queries, keys, dim, causal)
@@ -208,6 +218,7 @@ class AttentionSensor:
                                                                         call))  # fmt: skip
         self.flops["total"] += self.call_flops
         self.flops["checked"] += self.call_flops if check else 0.0
+        self._checked += check
         plan = AttentionPlan(step, call, heads, check)
         for is_backward in (False, True):
             fault = self._fault(self.site(is_backward), step, call, heads)

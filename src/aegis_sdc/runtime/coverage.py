@@ -1,0 +1,73 @@
+"""The coverage report: what a guard protects, what share of the model's matmul FLOPs it checks, and
+what it leaves uncovered and why.
+
+Two parts. At `protect()` the model's modules are read: the protected ones counted by type, and every
+other module that does matmul work named with the reason (`unprotected_modules`) — a subclass of
+`nn.Linear` (quantized, LoRA: other semantics), `nn.MultiheadAttention` (its projections run inside
+`F.multi_head_attention_forward`), `nn.Bilinear`, convolutions, a Linear left out by
+`include`/`exclude`/`filter`. After a step has run, the FLOPs are known from the calls themselves:
+per step, each GEMM site's 2·M·N·K times its calls and each attention module's FLOPs (forward and
+backward); the checked share is what the step's sampling actually checked. `Guard.coverage_report()`
+builds it; the guard logs it once, after the first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class CoverageReport:
+    protected: dict[str, int]  # module type → protected modules
+    gemm_flops: float  # per step: the protected modules' GEMMs (forward, dgrad, wgrad), last step
+    attention_flops: float  # per step: the attention calls the checked op took, last step
+    checked_flops: float  # per step: what that step checked of the two
+    not_covered: dict[str, str] = field(default_factory=dict)  # module or site → why
+
+    @property
+    def checked_share(self) -> float:
+        total = self.gemm_flops + self.attention_flops
+        return self.checked_flops / total if total else 0.0
+
+    def describe(self) -> str:
+        """A few lines for a log: counts, FLOPs, checked share, what is not covered."""
+        modules = ", ".join(f"{count} {kind}" for kind, count in sorted(self.protected.items()))
+        lines = [f"protected: {modules or 'nothing'}"]
+        if self.gemm_flops or self.attention_flops:
+            lines.append(
+                f"matmul FLOPs per step: {self.gemm_flops:.3g} in GEMMs, {self.attention_flops:.3g} in attention; "
+                f"{self.checked_share:.1%} checked in the last step"
+            )
+        for name, reason in sorted(self.not_covered.items()):
+            lines.append(f"not covered: {name} — {reason}")
+        return "\n".join(lines)
+
+
+def unprotected_modules(model: nn.Module, protected: set[int]) -> dict[str, str]:
+    """Modules of `model` that do matmul work and are not among `protected` (ids), with why."""
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if id(module) in protected:
+            continue
+        label = name or "<root>"
+        kind = type(module).__name__
+        if isinstance(module, nn.Linear):
+            reason = (
+                "an nn.Linear left out by GuardConfig.include/exclude or the filter"
+                if type(module) is nn.Linear
+                else f"{kind}, a subclass of nn.Linear (other semantics: not checked)"
+            )
+        elif isinstance(module, nn.MultiheadAttention):
+            reason = "nn.MultiheadAttention (its projections run inside F.multi_head_attention_forward)"
+        elif isinstance(module, nn.Bilinear):
+            reason = "nn.Bilinear (not checked)"
+        elif isinstance(module, nn.modules.conv._ConvNd):
+            reason = f"{kind}, a convolution (not checked)"
+        elif kind == "Conv1D" and type(module).__module__.startswith("transformers."):
+            reason = "Hugging Face Conv1D left out by GuardConfig.include/exclude or the filter"
+        else:
+            continue
+        found[label] = reason
+    return found
