@@ -25,8 +25,10 @@ FAULT_STEPS = (24, 29, 33, 38)
 def run_with_fault(tmp_path, spec: aegis.FaultSpec, steps: int = 40, workload=None, **config):
     model, data, optimizer = workload or small_workload()
     guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(spec,), **config))
-    train(model, data, optimizer, steps)
-    guard.close()
+    try:
+        train(model, data, optimizer, steps)
+    finally:  # also when a policy exits or raises: an open guard would stay installed for later tests
+        guard.close()
     return guard
 
 

@@ -71,14 +71,19 @@ def test_a_hugging_face_model_with_gradient_checkpointing_copies_with_torchs_che
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    torch_checkpoint = torch.utils.checkpoint.checkpoint  # (the guard stands in for it while open)
+    bound = {name: m.__dict__["_gradient_checkpointing_func"] for name, m in model.named_modules()
+             if "_gradient_checkpointing_func" in m.__dict__}  # fmt: skip
     guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
     ids = torch.randint(0, 128, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     copied = copy.deepcopy(model)
-    layers = [m for m in copied.modules() if hasattr(m, "_gradient_checkpointing_func")]
-    assert layers and all(m._gradient_checkpointing_func.func is torch_checkpoint for m in layers)
+    # in the copy, each bound checkpoint function is again the one the model had before protect()
+    assert bound and all(
+        copied.get_submodule(name)._gradient_checkpointing_func.func is fn.func
+        and copied.get_submodule(name)._gradient_checkpointing_func.keywords == fn.keywords
+        for name, fn in bound.items()
+    )
     assert _no_checked_linear(copied)
     copied(input_ids=ids, labels=ids).loss.backward()  # the copy trains with torch's own checkpoint
     assert guard.close().confirmed == 0
