@@ -95,7 +95,7 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     inner = optimizer
     while not _has_step_hooks(inner) and isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
         inner = inner.optimizer
-    if not isinstance(inner, torch.optim.Optimizer) or not _has_step_hooks(inner):
+    if not _has_step_hooks(inner):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     return inner
 
@@ -134,6 +134,11 @@ class GuardSummary:
     def false_alarm_rate(self) -> float:
         """False alarms per checked call."""
         return self.false_alarms / self.checks if self.checks else 0.0
+
+    def brief(self) -> str:
+        """One line for a log."""
+        return (f"{self.steps} steps, {self.checks} checks, {self.confirmed} confirmed SDCs, "
+                f"{self.false_alarms} false alarms")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         import dataclasses
@@ -208,9 +213,12 @@ class Guard:
         self._pending_events: list[tuple[str, str, int]] = []  # events for the next record (plans, gaps)
         self.uncovered_linears: dict[str, str] = {}  # module → why the GPU kernels cannot check it
         self._collected: Collected | None = None  # a gated step between optimizer pre- and post-hook
-        self._fault_sites_named = False  # fault specs checked against the sites (after the first step)
-        self._start_step, self._warned_no_boundary, self._warned_late_boundary = start_step, False, False
-        self._coverage_logged, self._last_checked_gemm_flops, self._last_recorded_step = False, 0.0, start_step
+        self._start_step = start_step
+        # wiring checks, each named once: fault specs against the sites (after the first step), checked
+        # calls with no step boundary, a boundary after the update
+        self._fault_sites_named = self._warned_no_boundary = self._warned_late_boundary = False
+        self._coverage_logged = False  # the coverage report, logged after the first recorded step
+        self._last_checked_gemm_flops, self._last_recorded_step = 0.0, start_step  # for the report
         self.gate = OptimizerGate()
         self.host_wait_ms = 0.0  # the host's time waiting for evidence (the device still computing)
 

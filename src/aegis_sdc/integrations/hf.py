@@ -50,9 +50,8 @@ class AegisCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.guard is not None and not self.guard.closed:
-            summary = self.summary = self.guard.close()
-            log.info("aegis-sdc: %d steps, %d checks, %d confirmed SDCs, %d false alarms", summary.steps,
-                     summary.checks, summary.confirmed, summary.false_alarms)  # fmt: skip
+            self.summary = self.guard.close()
+            log.info("aegis-sdc: %s", self.summary.brief())
         return control
 
 

@@ -58,6 +58,5 @@ class AegisCallback(Callback):
 
     def _close(self) -> None:
         if self.guard is not None and not self.guard.closed:
-            summary = self.summary = self.guard.close()
-            log.info("aegis-sdc: %d steps, %d checks, %d confirmed SDCs, %d false alarms", summary.steps,
-                     summary.checks, summary.confirmed, summary.false_alarms)  # fmt: skip
+            self.summary = self.guard.close()
+            log.info("aegis-sdc: %s", self.summary.brief())

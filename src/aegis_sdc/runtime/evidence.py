@@ -66,9 +66,7 @@ def collect(
         wanted.append(torch.cat([r.pending.packed for r in collected.deferred_attention]))
         alarm_flags.append(torch.stack([r.pending.alarm for r in collected.deferred_attention]).any())
     if gate and alarm_flags:
-        alarmed = alarm_flags[0]
-        for flag in alarm_flags[1:]:
-            alarmed = alarmed | flag
+        alarmed = torch.stack(alarm_flags).any()
         if comm_ratios is not None:
             alarmed = alarmed | (comm_ratios.to(alarmed.device) > 1.0).any()
         collected.gate = alarmed.float()  # 0-dim, as fused optimizers expect (their step counts are)
