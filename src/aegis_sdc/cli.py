@@ -236,5 +236,22 @@ def incidents(
             console.print(f"  {warning['message']}")
 
 
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="A run directory holding aegis-rank*.sqlite stores."),
+    out: Path = typer.Option(None, "--out", help="The HTML file to write (default: RUN_DIR/aegis-report.html)."),
+) -> None:
+    """Write one self-contained HTML page of a run: incidents, timeline, sites, coverage, verification."""
+    from aegis_sdc.report.html import write_report
+    from aegis_sdc.store.sqlite import StoreError
+
+    try:
+        path = write_report(run_dir, out)
+    except StoreError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
+    typer.echo(str(path))
+
+
 if __name__ == "__main__":
     app()

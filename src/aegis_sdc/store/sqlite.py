@@ -480,3 +480,161 @@ def read_study(path: str | os.PathLike) -> dict[str, Any]:
             "summary": json.loads(head["summary_json"]) if head["summary_json"] else None,
             "rows": rows,
         }
+
+
+# -- read-only readers: what `aegis report` reads --------------------------------------------------
+@contextmanager
+def reading_only(path: str | os.PathLike) -> Iterator[sqlite3.Connection]:
+    """A reader in SQLite's read-only mode: it cannot change the store, even while the run still writes
+    to it (committed steps in the WAL are read too). Refuses schemas it does not know."""
+    path = Path(path)
+    # the URI form: `?mode=ro` needs it; as_uri() percent-encodes names with '?' or '#'
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
+    conn.row_factory = sqlite3.Row
+    try:
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.DatabaseError as error:  # not a database at all, or a damaged one
+            raise StoreError(f"{path}: {error}") from error
+        if version > SCHEMA_VERSION or version == 0:
+            raise StoreError(f"{path} has schema version {version}; this aegis-sdc reads 1..{SCHEMA_VERSION}")
+        yield conn
+    finally:
+        conn.close()
+
+
+def _each_rank_read_only(run_dir: str | os.PathLike) -> Iterator[tuple[RankDatabase, sqlite3.Connection]]:
+    for db in rank_databases(run_dir):
+        with reading_only(db.path) as conn:
+            yield db, conn
+
+
+def _loads(text: str | None) -> Any:
+    return json.loads(text) if text else None
+
+
+def read_runs(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Each rank's run row, by rank: identity, start, finish and summary (None while the run is in
+    progress), configuration and versions. A store whose run row is not committed yet gives its rank
+    with None everywhere else."""
+    runs = []
+    for db, conn in _each_rank_read_only(run_dir):
+        found = conn.execute("SELECT * FROM run WHERE id = 1").fetchone()
+        row = dict(found) if found else {}
+        runs.append({
+            "rank": db.rank, "path": str(db.path),
+            **{key: row.get(key) for key in ("host", "local_rank", "world_size", "device", "gpu_uuid",
+                                             "started_wall", "finished_wall")},
+            "config": _loads(row.get("config_json")), "versions": _loads(row.get("versions_json")),
+            "summary": _loads(row.get("summary_json")),
+        })  # fmt: skip
+    return runs
+
+
+def read_step_totals(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Per step, summed over ranks: checks, alarms, verified vTasks, GEMM FLOPs and checked FLOPs
+    (FLOPs are 0 in stores written before schema version 3), ordered by step."""
+    totals: dict[int, dict[str, Any]] = {}
+    for _, conn in _each_rank_read_only(run_dir):
+        has_flops = "gemm_flops" in {row[1] for row in conn.execute("PRAGMA table_info(steps)")}
+        flops = "gemm_flops, checked_flops" if has_flops else "0.0 AS gemm_flops, 0.0 AS checked_flops"
+        for r in conn.execute(f"SELECT step, checks, alarms, verified, {flops} FROM steps"):
+            total = totals.setdefault(r["step"], dict.fromkeys(r.keys(), 0) | {"step": r["step"]})
+            for key in ("checks", "alarms", "verified", "gemm_flops", "checked_flops"):
+                total[key] += r[key]
+    return [totals[step] for step in sorted(totals)]
+
+
+# The worst difference over its threshold of a (step, site) row, on either channel; None while the
+# site calibrates (its threshold is then a loose worst-case bound) or when nothing was checked.
+_RATIO = (
+    "CASE WHEN t.calibrating = 0 AND t.checks > 0 THEN MAX(COALESCE(t.max_row / t.threshold_row, 0),"
+    " COALESCE(t.max_col / t.threshold_col, 0)) END"
+)
+
+
+def read_site_summaries(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Per GEMM site and rank, over all steps: calls, checks, alarms, injected faults, non-finite
+    inputs, steps calibrating, and the worst difference/threshold ratio after calibration with its
+    step (None before any calibrated check)."""
+    rows = []
+    for db, conn in _each_rank_read_only(run_dir):
+        # one MAX() aggregate: SQLite then takes the bare column t.step from the row holding the maximum
+        for r in conn.execute(
+            f"SELECT s.name AS site, s.module, s.kind, s.op, SUM(t.calls) AS calls, SUM(t.checks) AS checks,"
+            f" SUM(t.alarms) AS alarms, SUM(t.faults) AS faults, SUM(t.nonfinite) AS nonfinite,"
+            f" COUNT(*) AS steps, SUM(t.calibrating) AS calibrating_steps, MAX({_RATIO}) AS worst_ratio,"
+            f" t.step AS worst_step FROM step_stats t JOIN sites s ON s.id = t.site_id GROUP BY t.site_id ORDER BY s.id"
+        ):
+            row = dict(r) | {"rank": db.rank}
+            if row["worst_ratio"] is None:
+                row["worst_step"] = None
+            rows.append(row)
+    return rows
+
+
+def read_site_series(run_dir: str | os.PathLike, wanted: Iterable[tuple[str, int]]) -> dict[tuple[str, int], list]:
+    """The per-step rows of the wanted (site name, rank) pairs, ordered by step: largest row and column
+    differences, thresholds, calibrating. Asked for a few pairs, so a large run stays cheap to read."""
+    by_rank: dict[int, set[str]] = {}
+    for name, rank in wanted:
+        by_rank.setdefault(rank, set()).add(name)
+    series: dict[tuple[str, int], list] = {(name, rank): [] for rank, names in by_rank.items() for name in names}
+    for db in rank_databases(run_dir):
+        names = sorted(by_rank.get(db.rank, ()))
+        if not names:
+            continue
+        with reading_only(db.path) as conn:
+            for r in conn.execute(
+                "SELECT s.name AS site, t.step, t.checks, t.max_row, t.max_col, t.threshold_row, t.threshold_col,"
+                " t.calibrating FROM step_stats t JOIN sites s ON s.id = t.site_id"
+                f" WHERE s.name IN ({','.join('?' * len(names))}) ORDER BY t.step",
+                names,
+            ):
+                series[(r["site"], db.rank)].append(dict(r))
+    return series
+
+
+def read_nonfinite(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Checked calls whose inputs held NaN/Inf, per step, site and rank, ordered by step."""
+    rows = []
+    for db, conn in _each_rank_read_only(run_dir):
+        for r in conn.execute(
+            "SELECT t.step, s.name AS site, t.nonfinite FROM step_stats t JOIN sites s ON s.id = t.site_id"
+            " WHERE t.nonfinite > 0 ORDER BY t.step, s.id"
+        ):
+            rows.append(dict(r) | {"rank": db.rank})
+    rows.sort(key=lambda r: (r["step"], r["rank"]))
+    return rows
+
+
+def read_events(run_dir: str | os.PathLike, kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """Events of all ranks (of the given kinds, else all), ordered by step; an event of no step
+    (a configuration warning) comes first."""
+    wanted = None if kinds is None else sorted(set(kinds))
+    where = "" if wanted is None else f" WHERE e.kind IN ({','.join('?' * len(wanted))})"
+    rows = []
+    for db, conn in _each_rank_read_only(run_dir):
+        for r in conn.execute(
+            "SELECT e.step, e.kind, e.message, e.data_json, e.wall, s.name AS site FROM events e"
+            f" LEFT JOIN sites s ON s.id = e.site_id{where} ORDER BY e.id",
+            wanted or [],
+        ):
+            rows.append({"step": r["step"], "kind": r["kind"], "site": r["site"], "rank": db.rank,
+                         "message": r["message"], "data": _loads(r["data_json"]), "wall": r["wall"]})  # fmt: skip
+    rows.sort(key=lambda r: (-1 if r["step"] is None else r["step"], r["rank"]))
+    return rows
+
+
+def read_verdicts(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every verdict of all ranks with its vTask's site, step and channel, ordered by step."""
+    rows = []
+    for db, conn in _each_rank_read_only(run_dir):
+        for r in conn.execute(
+            "SELECT v.vtask_id, t.step, s.name AS site, t.channel, v.kind, v.wrong_execution, v.replay_ms,"
+            " v.latency_steps, v.latency_ms, v.decided_step FROM verdicts v JOIN vtasks t ON t.id = v.vtask_id"
+            " LEFT JOIN sites s ON s.id = t.site_id ORDER BY t.step, v.vtask_id"
+        ):
+            rows.append(dict(r) | {"rank": db.rank})
+    rows.sort(key=lambda r: (r["step"], r["rank"]))
+    return rows
