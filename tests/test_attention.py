@@ -164,6 +164,20 @@ def test_clean_training_checks_attention_and_confirms_nothing(tmp_path):
     assert {s.name for s in guard.registry.extra} >= {"layers.0.attn:attn_fwd", "layers.0.attn:attn_bwd"}
 
 
+def test_differentiating_a_gradient_through_checked_attention_names_the_way_out(tmp_path):
+    model, data, optimizer = small_workload(cfg=MEDIUM, batch=2, seq=32)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    tokens, _ = data.batch()
+    embedded = model.tok_embeddings(tokens).detach().requires_grad_()
+    hidden = embedded
+    for layer in model.layers:
+        hidden = layer(hidden, model.rope_cos[: tokens.shape[1]], model.rope_sin[: tokens.shape[1]])
+    (grad,) = torch.autograd.grad(hidden.square().sum(), embedded, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"aegis-sdc.*attention=False"):
+        grad.square().sum().backward()
+    guard.close()
+
+
 def test_unsupported_calls_and_calls_outside_the_model_keep_sdpa(tmp_path):
     model, data, optimizer = small_workload(cfg=MEDIUM, batch=2, seq=64)
     guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))

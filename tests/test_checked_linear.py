@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -175,7 +176,8 @@ def test_empty_inputs_behave_like_nn_linear(protected):
     assert x.grad.shape == (0, 8)
 
 
-def test_nonfinite_input_is_reported_as_such_never_as_sdc(tmp_path):
+def test_nonfinite_input_is_reported_as_such_never_as_sdc(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="aegis_sdc")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -200,3 +202,35 @@ def test_nonfinite_input_is_reported_as_such_never_as_sdc(tmp_path):
     # From step 17 on: the NaN gradient of step 17 also reaches the weights, whose non-finite values
     # are inputs of the next steps' GEMMs — still reported as non-finite input, never as SDC.
     assert min(steps) == 17 and {17, 18} <= steps
+    # and on the console: one line per step that had any, naming the sites
+    lines = [r.getMessage() for r in caplog.records if "NaN/Inf in the inputs" in r.getMessage()]
+    logged_steps = [int(line.split("step ")[1].split(":")[0]) for line in lines]
+    assert sorted(logged_steps) == sorted(steps) and len(set(logged_steps)) == len(logged_steps)
+    first = conn.execute("SELECT s.name FROM events e JOIN sites s ON s.id = e.site_id "
+                         "WHERE e.kind = 'nonfinite_input' AND e.step = 17").fetchone()[0]  # fmt: skip
+    assert all("not an SDC" in line for line in lines) and first in lines[0].split(" at ")[1]
+
+
+def test_a_gradient_penalty_differentiates_through_protected_linears(tmp_path):
+    """backward(create_graph=True): the Linears' dgrad and wgrad run as differentiable torch GEMMs,
+    and the second-order gradient equals the unprotected model's."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.randn(6, 8)
+
+    def penalty_grads(model):
+        xi = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(model(xi).sum(), xi, create_graph=True)
+        g.square().sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    expected = penalty_grads(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    guard = aegis.protect(model, config=guard_config(tmp_path, sampling=aegis.SamplingConfig.every_call()))
+    got = penalty_grads(model)
+    guard.step()
+    assert guard.close().confirmed == 0
+    assert [g is None for g in got] == [g is None for g in expected] == [False, False, False, True]  # ∂g/∂b₂ = 0
+    for ours, ref in zip(got[:3], expected[:3], strict=True):
+        # the same fp32 GEMMs on both sides, in the same order: agreement to rounding of the sums
+        assert torch.allclose(ours, ref, rtol=1e-5, atol=1e-6)

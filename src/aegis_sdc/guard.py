@@ -55,6 +55,7 @@ from aegis_sdc.events import (
     Incident,
     RankIdentity,
     Site,
+    Verdict,
     VerdictKind,
     VTask,
 )
@@ -738,6 +739,7 @@ class Guard:
                 self._next_incident += 1
                 report.incidents.append(incident)
         self.incidents.extend(report.incidents)
+        _log_nonfinite_inputs(report.verdicts)
         self.counts["checks"] += report.checks
         self.counts["alarms"] += len(report.alarms)
         if records or report.verdicts:
@@ -830,6 +832,20 @@ class Guard:
             if not self._coverage_logged:  # once, after the first step that ran: the report with its FLOPs
                 self._coverage_logged = True
                 log.info("aegis-sdc coverage:\n%s", self.coverage_report().describe())
+
+
+def _log_nonfinite_inputs(verdicts: list[Verdict]) -> None:
+    """NaN/Inf in a checked call's inputs is the data's doing (an overflow, a bad batch), not the
+    device's: one console line per step that had any, naming the sites — the store has every one."""
+    by_step: dict[int, list[str]] = {}
+    for verdict in verdicts:
+        if verdict.kind is VerdictKind.NONFINITE_INPUT:
+            by_step.setdefault(verdict.step, []).append(verdict.site.name)
+    for step, names in sorted(by_step.items()):
+        sites = list(dict.fromkeys(names))
+        shown = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
+        log.warning("aegis-sdc: step %d: NaN/Inf in the inputs of %d checked call%s at %s — from the data, "
+                    "not the device (not an SDC)", step, len(names), "" if len(names) == 1 else "s", shown)  # fmt: skip
 
 
 def _versions() -> dict[str, str]:

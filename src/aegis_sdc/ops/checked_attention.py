@@ -22,13 +22,13 @@ training step computed.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from aegis_sdc.kernels import triton_attention
 from aegis_sdc.kernels.attention_reference import HeadFault, attention_backward, attention_forward
@@ -251,6 +251,29 @@ class CallContext:
                           flat(self.out), flat(self.lse), dout, grads, mask, drop, copy=False)  # fmt: skip
 
 
+DOUBLE_BACKWARD = (
+    "aegis-sdc: checked attention has no second derivative: differentiating a gradient through a protected "
+    "model's attention (a gradient penalty, meta-learning) needs GuardConfig(attention=False) — the Linears "
+    "stay checked and support it"
+)
+
+
+def _differentiable_once(backward):
+    """torch's `once_differentiable`, its error naming the library and the way out: the gradients
+    are computed without a graph, and differentiating them raises DOUBLE_BACKWARD."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled() or not any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads):
+            return outputs
+        error = torch._C._functions.DelayedError(DOUBLE_BACKWARD.encode(), len(outputs))
+        return error(*[o.detach().requires_grad_() if o is not None else None for o in outputs])
+
+    return wrapper
+
+
 class CheckedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks, mask: torch.Tensor | None,
@@ -278,7 +301,7 @@ class CheckedAttentionFunction(torch.autograd.Function):
         return result.out.view(q.shape)
 
     @staticmethod
-    @once_differentiable
+    @_differentiable_once
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         b, h = q.shape[:2]

@@ -23,7 +23,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from aegis_sdc.kernels.gemm_side import SideMatrix
 from aegis_sdc.kernels.reference import Tiling, checked_gemm
@@ -273,11 +272,16 @@ class CheckedLinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy: torch.Tensor):
         x2d, weight = ctx.saved_tensors
-        dx, dw = linear_backward(ctx.call, dy, x2d, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        db = dy.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
+        db = dy.sum(dim=0) if ctx.has_bias and needs_db else None
+        if torch.is_grad_enabled():
+            # backward(create_graph=True): a gradient that will itself be differentiated (gradient
+            # penalties, meta-learning). The checked kernels have no derivative of their own, so this
+            # call's dgrad and wgrad run as differentiable torch GEMMs, unchecked; its forward was checked.
+            return (dy.mm(weight) if needs_dx else None), (dy.t().mm(x2d) if needs_dw else None), db, None, None, None
+        dx, dw = linear_backward(ctx.call, dy, x2d, weight, needs_dx, needs_dw)
         return dx, dw, db, None, None, None
 
 
