@@ -8,12 +8,14 @@ The same checks run with bf16 at real shapes on a GPU (tests marked `gpu`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 
 import pytest
 import torch
 
 from aegis_sdc.kernels import triton_gemm as tg
+from aegis_sdc.kernels.gemm_side import SideMatrix
 from aegis_sdc.kernels.reference import U32, checked_gemm
 from aegis_sdc.ops.triton_replay import TritonGemmCall, TritonGemmCapture
 from aegis_sdc.sensors.thresholds import worst_case_bound
@@ -237,6 +239,34 @@ def test_bf16_operands_are_upcast_under_the_interpreter():
     out, *_ = launch(a, b, flags, logical, torch.bfloat16)
     exact = logical[0].double() @ logical[1].double()
     assert torch.allclose(out.double(), exact, rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [*CPU_DTYPES, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],  # bf16 arithmetic is wrong interpreted
+)
+def test_the_side_matrix_splits_its_vector_into_three_exact_parts(dtype):
+    g = torch.Generator().manual_seed(3)
+    for n, magnitude in ((1, 1.0), (1500, 3e4), (2049, 1e-3), (7, 0.0)):
+        vec = (torch.randn(n, generator=g, dtype=torch.float64) * magnitude).to(DEVICE)
+        side = SideMatrix.of(vec, dtype)
+        s = side.matrix.double().cpu()
+        scale = float(side.scale)
+        assert torch.equal(s[:, 3], torch.ones(n, dtype=torch.float64)) and not s[:, 4:].any()
+        # hi + lo + lo2 carries three times the dtype's precision p (bf16 8, fp16 11, fp32 24 bits):
+        # each part is the previous remainder rounded, so what is left is at most 2^-3p of |v·2ᵉ| (fp32
+        # stops at fp64's 53 bits), or half the dtype's subnormal spacing where a part underflows.
+        bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[dtype]
+        finfo = torch.finfo(dtype)
+        left = (s[:, :3].sum(dim=1) - vec.cpu() * scale).abs()
+        bound = vec.cpu().abs() * scale * 2.0 ** -min(3 * bits, 52) + finfo.smallest_normal * finfo.eps / 2
+        assert bool((left <= bound).all())
+        if dtype == torch.float16 and magnitude:
+            # 2ᵉ brings max|v| into [2¹³, 2¹⁴]: fp16 holds it (max 65504) with room for the parts' sums
+            top = float(vec.abs().max()) * scale
+            assert 2.0**13 <= top <= 2.0**14 and math.log2(scale).is_integer()
+        else:
+            assert scale == 1.0 or magnitude == 0.0
 
 
 def test_launch_variants_are_keyed_on_constexprs_dtypes_and_blocks():

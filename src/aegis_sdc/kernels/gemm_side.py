@@ -55,19 +55,20 @@ class SideMatrix:
 
     @classmethod
     def of(cls, vec: torch.Tensor, dtype: torch.dtype) -> SideMatrix:
-        """S of an fp64 vector for operands of `dtype` (torch ops on the vector's device, no host read)."""
-        if dtype == torch.float16:
-            top = vec.abs().amax().float().clamp_min(1e-30)
-            scale = torch.exp2(FP16_SIDE_MAX_LOG2 - torch.ceil(torch.log2(top))).reshape(1)
-        else:
-            scale = torch.ones(1, dtype=torch.float32, device=vec.device)
-        scaled = vec * scale.double()
-        hi = scaled.to(dtype)
-        rest = scaled - hi.double()
-        lo = rest.to(dtype)
-        lo2 = (rest - lo.double()).to(dtype)
-        matrix = torch.zeros(vec.shape[0], SIDE_COLUMNS, dtype=dtype, device=vec.device)
-        matrix[:, 0], matrix[:, 1], matrix[:, 2], matrix[:, 3] = hi, lo, lo2, 1
+        """S of an fp64 vector for operands of `dtype`: one launch (`side_matrix_kernel`; fp16 adds the
+        vector's max|v| for its scale), no host read."""
+        n = vec.shape[0]
+        matrix = torch.empty(n, SIDE_COLUMNS, dtype=dtype, device=vec.device)
+        fp16 = dtype == torch.float16
+        scale = torch.empty(1, dtype=torch.float32, device=vec.device) if fp16 else _unit_scale(vec.device)
+        vec = vec.contiguous()
+        top = torch.linalg.vector_norm(vec, float("inf")).reshape(1) if fp16 and n else scale  # max|v|, fp16 only
+        if n:
+            side_matrix_kernel[(triton.cdiv(n, SIDE_BLOCK),)](
+                vec, top, matrix, scale, n, FP16=fp16, DT=_TL_DTYPES[dtype], BLOCK=SIDE_BLOCK
+            )
+        elif fp16:
+            scale.fill_(1.0)
         return cls(vec, matrix, scale)
 
     @classmethod
@@ -90,6 +91,40 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     if scale is None:
         scale = _UNIT_SCALES[device] = torch.ones(1, dtype=torch.float32, device=device)
     return scale
+
+
+SIDE_BLOCK = 1024  # vector elements per program of `side_matrix_kernel`
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def side_matrix_kernel(vec_ptr, top_ptr, s_ptr, scale_ptr, n, FP16: tl.constexpr, DT: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    """S [n, 16] of the fp64 vector v [n] (the module docstring's columns), for operands of type DT.
+
+    fp16: 2ᵉ = 2^(14 − ⌈log₂ max|v|⌉) from max|v| (`top_ptr`, fp64 [1]), taken from the bits of its
+    fp32 value — exact, where a float log₂ may be approximate on the GPU and land one power of two
+    off (2¹⁶ would not fit fp16); program 0 stores it for the kernel that reads S."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < n
+    v = tl.load(vec_ptr + rows, mask=mask, other=0.0)
+    if FP16:
+        top = tl.maximum(tl.load(top_ptr).to(tl.float32), 1e-30)
+        bits = top.to(tl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) - 127
+        ceil_log2 = exponent + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = ((14 - ceil_log2 + 127) << 23).to(tl.float32, bitcast=True)
+        if tl.program_id(0) == 0:
+            tl.store(scale_ptr, scale)
+        v = v * scale.to(tl.float64)  # a power of two: exact
+    hi = v.to(DT).to(tl.float64)
+    rest = v - hi
+    lo = rest.to(DT).to(tl.float64)
+    lo2 = rest - lo
+    col = tl.arange(0, SIDE_N)[None, :]
+    s = tl.where(col == 0, hi[:, None], tl.where(col == 1, lo[:, None], lo2[:, None]))
+    s = tl.where(col == 3, 1.0, tl.where(col > 3, 0.0, s))
+    tl.store(s_ptr + rows[:, None] * SIDE_N + col, s.to(DT), mask=mask[:, None])
 
 
 @triton.jit
