@@ -452,3 +452,43 @@ def test_the_budget_cycle_measures_quiet_steps_then_plans_and_corrects_its_cost_
     plan = controller.replan(flops, calls, np.full(4, 0.5), caps)
     assert controller.scale == pytest.approx(2.0)
     assert (plan.probabilities * 0.5).sum() == pytest.approx(0.5)  # 1 ms at the doubled cost
+
+
+def test_saved_tensor_steps_are_probed_once_and_paid_from_the_budget():
+    from aegis_sdc.runtime.budget import QUIET_STEPS, SAVED_SHARE, BudgetController, StepTimer
+
+    controller = BudgetController(0.01, rotation_steps=100, replan_steps=5, timer=StepTimer(torch.device("cpu")),
+                                  saved_probability=0.05)  # fmt: skip
+    phases = [controller.step_begins(calibrating=True)]
+    phases += [controller.step_begins(calibrating=False) for _ in range(QUIET_STEPS + 2)]
+    assert phases == ["calibrating"] + ["quiet"] * QUIET_STEPS + ["probe", "busy"] and controller.due()
+    flops, calls, caps = np.full(4, 1e9), np.ones(4), np.ones(4)
+    controller.timer.times_ms = {"quiet": [100.0] * 3, "probe": [140.0]}  # a saved-tensor step: +40 ms
+    plan = controller.replan(flops, calls, np.full(4, 0.5), caps)
+    assert controller.saved_cost_ms == pytest.approx(40.0)
+    # 1 ms of budget per step: saved-tensor steps get SAVED_SHARE of it (1 step in 200), the GEMMs the rest
+    assert controller.saved_planned == pytest.approx(SAVED_SHARE * 1.0 / 40.0)
+    assert plan.allowed_ms == pytest.approx(1.0 - SAVED_SHARE)
+    # later cycles plan from the measured cost: no second probe
+    phases = [controller.step_begins(calibrating=False) for _ in range(4 + QUIET_STEPS + 1)]
+    assert phases == ["busy"] * 4 + ["quiet"] * QUIET_STEPS + ["busy"]
+
+
+def test_a_budget_guard_fingerprints_saved_tensors_in_its_probe_and_never_in_quiet_steps(tmp_path):
+    model, data, optimizer = small_workload()
+    sampling = aegis.SamplingConfig(budget=0.5, rotation_steps=10, replan_steps=5)
+    fingerprints = aegis.FingerprintConfig(saved_probability=1.0, recompute=False)  # every step, unless the budget says
+    config = guard_config(tmp_path, sampling=sampling, fingerprints=fingerprints,
+                          thresholds=aegis.ThresholdConfig(calibration_checks=2))  # fmt: skip
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    per_step = []
+    for _ in range(10):
+        before, phase = guard.counts["fingerprint_checks"], guard.budget._phase  # (the step's plan is drawn
+        train(model, data, optimizer, 1)  # when the previous one ends)
+        per_step.append((phase, guard.counts["fingerprint_checks"] > before))
+    guard.close()
+    phases = [phase for phase, _ in per_step]
+    assert "probe" in phases and "quiet" in phases
+    assert all(fingerprinted for phase, fingerprinted in per_step if phase == "probe")
+    assert not any(fingerprinted for phase, fingerprinted in per_step if phase == "quiet")
+    assert guard.budget.saved_cost_ms is not None and guard.budget.saved_planned is not None

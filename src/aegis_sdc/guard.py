@@ -208,7 +208,11 @@ class Guard:
         sampling = config.sampling
         self.budget = None
         if budget is not None:
-            self.budget = BudgetController(budget, sampling.rotation_steps, sampling.replan_steps, StepTimer(device))
+            fp = config.fingerprints
+            saved = fp.saved_probability if fp.saved_tensors else 0.0
+            self.budget = BudgetController(
+                budget, sampling.rotation_steps, sampling.replan_steps, StepTimer(device), saved_probability=saved
+            )
         self._check_costs: dict[tuple, float] = {}
         self._last_calls: list[int] = []
         self._pending_events: list[tuple[str, str, int]] = []  # events for the next record (plans, gaps)
@@ -544,6 +548,11 @@ class Guard:
         sampling measure the step, the checks are timed at each site's shape, and the plan fills the
         budget; the cycle repeats every `replan_steps` steps. True: this step samples nothing."""
         phase = self.budget.step_begins(calibrating)
+        for checker in getattr(self, "_checkers", ()):  # (none yet while protect() draws the first plan)
+            if isinstance(checker, SavedTensorChecker):  # a probe measures a saved-tensor step; quiet has none
+                checker.forced = {"probe": True, "quiet": False}.get(phase)
+                if self.budget.saved_planned is not None:
+                    checker.probability = self.budget.saved_planned
         if self.budget.due():
             # one knapsack over the GEMM sites and the attention modules (a call's forward and
             # backward are checked together), each at its measured cost per check
@@ -570,9 +579,12 @@ class Guard:
                 self._pending_events.append(
                     ("sampling_plan", f"budget {self.budget.budget:.2%} of a {self.budget.base_ms:.1f} ms step: "
                      f"{plan.expected_ms:.2f} ms of checks (cost model × {self.budget.scale:.2f}), "
-                     f"{fractions[0]:.1%} of GEMM FLOPs, {fractions[1]:.1%} of attention FLOPs", None)
+                     f"{fractions[0]:.1%} of GEMM FLOPs, {fractions[1]:.1%} of attention FLOPs"
+                     + (f", saved tensors in {self.budget.saved_planned:.2%} of steps (a "
+                        f"{self.budget.saved_cost_ms:.1f} ms step)" if self.budget.saved_planned is not None else ""),
+                     None)
                 )  # fmt: skip
-        return phase == "quiet"
+        return phase in ("quiet", "probe")
 
     def _attention_cost(self, sensor: AttentionSensor) -> float:
         if sensor.shape is None:

@@ -306,6 +306,7 @@ class SavedTensorChecker:
         self.clock = clock
         self.min_bytes = min_bytes
         self.probability = probability
+        self.forced: bool | None = None  # this step sampled (True) or not (False) whatever the draw: the budget's
         self.stack: list[str] = []
         self.active = False
         self.packed: list[_Saved] = []
@@ -333,7 +334,10 @@ class SavedTensorChecker:
         # by the module running (hooks on the submodules for this forward only).
         if self.active or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return  # (saved-tensor hooks are an eager-mode check)
-        if not self.checks.should_check(self.probability, SAVED_STEP_SITE, self.clock.step, 0):
+        sampled = self.forced
+        if sampled is None:
+            sampled = self.checks.should_check(self.probability, SAVED_STEP_SITE, self.clock.step, 0)
+        if not sampled:
             return
         self.active = True
         self.stack = ["<root>"]

@@ -99,6 +99,10 @@ class StepTimer:
 
 QUIET_STEPS = 3  # steps run without sampling to measure the step itself, before each plan
 QUIET_EXTRA = 10  # more quiet steps, at most, while the device has not finished the first ones
+# Saved-tensor fingerprints sample whole steps, and such a step costs tens of milliseconds on a large
+# model (a Python pack/unpack hook and two reads per saved tensor): at most this share of the budget
+# goes to them; the rest buys GEMM and attention checks, which cover the most FLOPs per millisecond.
+SAVED_SHARE = 0.2
 
 
 @dataclass
@@ -107,20 +111,31 @@ class BudgetController:
     followed by `replan_steps` steps under the plan (its real cost). The cost model — each site's
     timed check cost — is scaled by what the last cycle actually cost against what the plan
     expected, so that costs the micro-timings miss (caches, the step-end work) are paid for from
-    the budget too."""
+    the budget too.
+
+    Saved-tensor fingerprints (`saved_probability` > 0: the configured share of steps) are paid from
+    the same budget: the first cycle ends its quiet steps with one "probe" step that fingerprints the
+    saved tensors and checks nothing else; its time over the quiet steps' is a saved step's cost, and
+    the plan lowers the share of such steps until they spend at most SAVED_SHARE of the budget (none
+    until that cost is known)."""
 
     budget: float
     rotation_steps: int
     replan_steps: int
     timer: StepTimer
+    saved_probability: float = 0.0  # configured share of steps whose saved tensors are fingerprinted
     plan: BudgetPlan | None = None
     scale: float = 1.0  # measured / predicted cost of the last cycle, compounded
     base_ms: float | None = None
+    saved_cost_ms: float | None = None  # what a saved-tensor step adds (the probe's time over quiet)
+    saved_planned: float | None = None  # the share of saved-tensor steps the plan allows
     _phase: str = "calibrating"
     _left: int = 0
+    _probed: bool = False  # the one probe step ran (its time may reach a later replan: the device's pace)
 
     def step_begins(self, calibrating: bool) -> str:
-        """The kind of the step beginning: "calibrating", "quiet" (no sampling) or "busy" (the plan)."""
+        """The kind of the step beginning: "calibrating", "quiet" (no sampling), "probe" (saved
+        tensors only) or "busy" (the plan)."""
         self.timer.poll()
         if calibrating:
             phase = "calibrating"
@@ -131,8 +146,12 @@ class BudgetController:
             # until one of them is timed (the plan needs the step's own time).
             if not self.timer.times_ms.get("quiet") and self._left > -QUIET_EXTRA:
                 phase = "quiet"
+            elif self.saved_probability > 0 and not self._probed:
+                phase, self._left, self._probed = "probe", 1, True
             else:
                 phase, self._left = "busy", self.replan_steps
+        elif self._phase == "probe":
+            phase, self._left = "busy", self.replan_steps
         else:
             phase = self._phase
         self._left -= 1
@@ -145,15 +164,25 @@ class BudgetController:
         return self._phase == "busy" and self._left == self.replan_steps - 1
 
     def replan(self, flops, calls, cost_ms, caps) -> BudgetPlan | None:
-        quiet, busy = self.timer.take("quiet"), self.timer.take("busy")
+        quiet, busy, probe = self.timer.take("quiet"), self.timer.take("busy"), self.timer.take("probe")
         if not quiet:
             return None
         base = statistics.median(quiet)
+        if probe:
+            self.saved_cost_ms = max(0.0, statistics.median(probe) - base)
+        allowed = self.budget * base
+        saved_ms = 0.0
+        if self.saved_probability > 0 and self.saved_cost_ms is None:
+            self.saved_planned = 0.0  # no saved-tensor steps until the probe's cost is known
+        elif self.saved_probability > 0:
+            affordable = SAVED_SHARE * allowed / self.saved_cost_ms if self.saved_cost_ms > 0 else 1.0
+            self.saved_planned = min(self.saved_probability, affordable)
+            saved_ms = self.saved_planned * self.saved_cost_ms
         if self.plan is not None and busy and self.plan.expected_ms > 0:
             spent = statistics.median(busy) - base
             if spent > 0:
                 self.scale = float(np.clip(self.scale * np.clip(spent / self.plan.expected_ms, 0.5, 4.0), 0.25, 16.0))
         self.base_ms = base
-        self.plan = plan_budget(flops, calls, cost_ms * self.scale, caps, allowed_ms=self.budget * base,
+        self.plan = plan_budget(flops, calls, cost_ms * self.scale, caps, allowed_ms=allowed - saved_ms,
                                 rotation_steps=self.rotation_steps)  # fmt: skip
         return self.plan
