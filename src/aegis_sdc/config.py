@@ -268,7 +268,10 @@ class FingerprintConfig:
     - `saved_tensors`: check tensors saved for backward: fingerprinted when saved and when used.
       `saved_probability` samples whole steps (identical on every rank): Python pack/unpack hooks
       cost microseconds per saved tensor, so unsampled steps run without them. In a sampled step
-      every saved tensor is read twice more and stays referenced until the step's end.
+      every saved tensor is read twice more and stays referenced until the step's end. Under an
+      overhead budget (`SamplingConfig.budget`) this is an upper bound: one probe step measures
+      what a sampled step costs, and such steps get at most a fifth of the budget
+      (runtime/budget.py, SAVED_SHARE).
     - `saved_min_bytes`: smaller saved tensors are not fingerprinted (their launches cost more than
       their bytes).
     - `pool_slots`: fingerprints per device buffer (buffers are added when a step needs more).
