@@ -534,8 +534,14 @@ class Guard:
         calibrating = np.fromiter((s.row.calibrating for s in self.sensors), dtype=bool, count=len(self.sensors))
         quiet = False
         if self.budget is not None:
-            attention_calibrating = any(s.calibrating for s in self.attention_sensors.values())
-            quiet = self._plan_budget(bool(calibrating.any()) or attention_calibrating)
+            # a module whose calls run unchecked (named in the coverage report) never calibrates: it
+            # must not hold the budget's plan back (a shape is set by its first planned call)
+            attention_calibrating = any(s.calibrating and s.shape is not None for s in self.attention_sensors.values())
+            # likewise a GEMM site never called (the dgrad of a first Linear whose input needs no
+            # gradient) — once some site has been called: before the first step, all are to come
+            called = [s.shape is not None for s in self.sensors]
+            gemm_calibrating = bool(called) and (not any(called) or bool(calibrating[np.asarray(called, dtype=bool)].any()))
+            quiet = self._plan_budget(gemm_calibrating or attention_calibrating)
         for sensor in self.attention_sensors.values():
             sensor.quiet = quiet
         faulted = None
