@@ -540,7 +540,9 @@ class Guard:
             # likewise a GEMM site never called (the dgrad of a first Linear whose input needs no
             # gradient) — once some site has been called: before the first step, all are to come
             called = [s.shape is not None for s in self.sensors]
-            gemm_calibrating = bool(called) and (not any(called) or bool(calibrating[np.asarray(called, dtype=bool)].any()))
+            gemm_calibrating = bool(called) and (
+                not any(called) or bool(calibrating[np.asarray(called, dtype=bool)].any())
+            )
             quiet = self._plan_budget(gemm_calibrating or attention_calibrating)
         for sensor in self.attention_sensors.values():
             sensor.quiet = quiet
