@@ -26,6 +26,12 @@ from aegis_sdc.ops.triton_linear import WeightStats, row_sums
 ORIENTATION = {"fwd": (False, True), "dgrad": (False, False), "wgrad": (True, False)}  # (A stored ᵀ, B stored ᵀ)
 WARMUP, REPEATS = 2, 7
 TIMED_ELEMENTS = 1 << 26  # 128 MiB of bf16 per timed operand
+# Before each timed run the GPU spins this many cycles (about a millisecond on an H200), so that the
+# run's launches are queued behind it and the events measure the GPU's work alone — as in a training
+# step, whose queue runs ahead of the GPU. Timed from an idle GPU, a run of two launches would also
+# count the host's time to issue the second (tens of microseconds: more than a small GEMM takes). What
+# checks cost the host is paid from the budget through the plan's measured cost (runtime/budget.py).
+QUEUE_AHEAD_CYCLES = 2_000_000
 
 
 def _median_ms(fn: Callable[[], object], device: torch.device) -> float:
@@ -35,6 +41,7 @@ def _median_ms(fn: Callable[[], object], device: torch.device) -> float:
     for _ in range(REPEATS):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
             start.record()
             fn()
             end.record()
