@@ -588,8 +588,7 @@ class Guard:
                     ("sampling_plan", f"budget {self.budget.budget:.2%} of a {self.budget.base_ms:.1f} ms step: "
                      f"{plan.expected_ms:.2f} ms of checks (cost model × {self.budget.scale:.2f}), "
                      f"{fractions[0]:.1%} of GEMM FLOPs, {fractions[1]:.1%} of attention FLOPs"
-                     + (f", saved tensors in {self.budget.saved_planned:.2%} of steps (a "
-                        f"{self.budget.saved_cost_ms:.1f} ms step)" if self.budget.saved_planned is not None else ""),
+                     + self.budget.describe_saved(),
                      None)
                 )  # fmt: skip
         return phase in ("quiet", "probe")

@@ -163,6 +163,14 @@ class BudgetController:
         """Whether the quiet steps of this cycle are measured: time to (re)plan."""
         return self._phase == "busy" and self._left == self.replan_steps - 1
 
+    def describe_saved(self) -> str:
+        """The plan's saved-tensor steps, for its log line ("" without saved-tensor fingerprints)."""
+        if self.saved_planned is None:
+            return ""
+        if self.saved_cost_ms is None:
+            return ", saved tensors in no step until the probe step is timed"
+        return f", saved tensors in {self.saved_planned:.2%} of steps (a {self.saved_cost_ms:.1f} ms step)"
+
     def replan(self, flops, calls, cost_ms, caps) -> BudgetPlan | None:
         quiet, busy, probe = self.timer.take("quiet"), self.timer.take("busy"), self.timer.take("probe")
         if not quiet:
