@@ -295,8 +295,10 @@ def _triton_forward(
     fwd_side, _ = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
     m, n = x2d.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
-    if wgrad_plan is not None:  # X·1, the wgrad's c: a by-product of this launch
-        call.x_sums = triton_linear.Byproduct.empty(m, x2d.dtype, x2d.device)
+    # X·1, the wgrad's c: a by-product of this launch. Made whether or not the wgrad is checked: its
+    # cost is M values, and one kernel variant serves both cases (a variant first needed mid-run
+    # would compile inside a training step: hundreds of milliseconds)
+    call.x_sums = triton_linear.Byproduct.empty(m, x2d.dtype, x2d.device)
     triton_linear.run(
         hooks.forward,
         fwd_plan,
@@ -331,7 +333,7 @@ def _triton_backward(call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weig
             _, dgrad_side = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
             m, n = dy.shape[0], weight.shape[1]
             dx = torch.empty(m, n, dtype=x2d.dtype, device=dy.device)
-            if wgrad_cols:  # dY·1, the wgrad's u1: a by-product of this launch
+            if hooks.wgrad.col_check:  # dY·1, the wgrad's u1: a by-product (made always, as X·1 is)
                 dy_sums = triton_linear.Byproduct.empty(m, dy.dtype, dy.device)
             triton_linear.run(
                 hooks.dgrad,
