@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from aegis_sdc.kernels.grid import ceil_div
+
 KEY = 0x9E3779B9  # position key: j·K spreads consecutive positions over all 32 bits
 M1 = 0x7FEB352D  # odd multipliers of a well-mixing 32-bit finalizer (bijections mod 2³²)
 M2 = 0x846CA68B
@@ -237,9 +239,9 @@ def launch_one(words: Words, out: torch.Tensor) -> None:
     """Add the lanes of one tensor's words into out (int32 [SPREAD · 2], a row of a zeroed pool)."""
     n = words.n_words
     block, programs, warps, stages = launch_shape(n)
-    programs = min(programs, triton.cdiv(n, block))
-    per_program = triton.cdiv(triton.cdiv(n, programs), block) * block
-    programs = triton.cdiv(n, per_program)
+    programs = min(programs, ceil_div(n, block))
+    per_program = ceil_div(ceil_div(n, programs), block) * block
+    programs = ceil_div(n, per_program)
     _fingerprint_one_kernel[(programs,)](
         words.base, out, n, words.last_mask, per_program, BLOCK=block, SPREAD=SPREAD, STAGES=stages,
         num_warps=warps,
@@ -253,7 +255,7 @@ def launch_many(items: list[tuple[Words, int]], out: torch.Tensor) -> None:
     if not items:
         return
     # numpy for the host side: torch.repeat_interleave on small CPU tensors took milliseconds.
-    counts = np.array([triton.cdiv(w.n_words, CHUNK) for w, _ in items], dtype=np.int64)
+    counts = np.array([ceil_div(w.n_words, CHUNK) for w, _ in items], dtype=np.int64)
     first = np.cumsum(counts) - counts
     flat = [v for (w, slot), f in zip(items, first.tolist(), strict=True)
             for v in (w.base.data_ptr(), w.n_words, slot, w.last_mask, f)]  # fmt: skip

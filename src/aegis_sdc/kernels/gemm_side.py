@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from aegis_sdc.kernels.grid import ceil_div
+
 SIDE_N = tl.constexpr(16)  # columns of S
 SIDE_COLUMNS = 16
 FP16_SIDE_MAX_LOG2 = 14.0
@@ -64,7 +66,7 @@ class SideMatrix:
         vec = vec.contiguous()
         top = torch.linalg.vector_norm(vec, float("inf")).reshape(1) if fp16 and n else scale  # max|v|, fp16 only
         if n:
-            side_matrix_kernel[(triton.cdiv(n, SIDE_BLOCK),)](
+            side_matrix_kernel[(ceil_div(n, SIDE_BLOCK),)](
                 vec, top, matrix, scale, n, FP16=fp16, DT=_TL_DTYPES[dtype], BLOCK=SIDE_BLOCK
             )
         elif fp16:

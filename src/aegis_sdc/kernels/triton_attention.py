@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from aegis_sdc.kernels.attention_reference import BACKWARD_CHECKS, STAGES, Backward, Forward, HeadFault
+from aegis_sdc.kernels.grid import ceil_div
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 U32 = tl.constexpr(2.0**-24)
@@ -789,7 +790,7 @@ def dropout_scales(drop: DropoutDraw, n: int, sq: int, sk: int) -> torch.Tensor:
     path's dropout mask for the same draw."""
     out = torch.empty(n, sq, sk, dtype=torch.float32, device=drop.seeds.device)
     block = 16
-    dropout_scale_kernel[(triton.cdiv(sq, block), n)](drop.seeds, out, sq, sk, drop.p, 1.0 / (1.0 - drop.p),
+    dropout_scale_kernel[(ceil_div(sq, block), n)](drop.seeds, out, sq, sk, drop.p, 1.0 / (1.0 - drop.p),
                                                       BM=block, BN=block)  # fmt: skip
     return out
 
@@ -873,7 +874,7 @@ def _sums(x: torch.Tensor, heads: int, block: int = 64, cols: bool = False, o: t
     Σ_d |dO ⊙ O| [N, S]."""
     n = x.shape[0] * x.shape[1] if x.dim() == 4 else x.shape[0]
     length, d = x.shape[-2:]
-    blocks = triton.cdiv(length, block)
+    blocks = ceil_div(length, block)
     f32 = dict(dtype=torch.float32, device=x.device)
     w = torch.empty(n, length, SIDE, dtype=x.dtype, device=x.device)
     colsum = torch.empty(n, blocks, d, **f32) if cols else w
@@ -913,7 +914,7 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
     sq, d = q.shape[-2:]
     sk = k.shape[-2]
     cfg = config_for(d).fwd
-    q_blocks = triton.cdiv(sq, cfg.block_m)
+    q_blocks = ceil_div(sq, cfg.block_m)
     out = torch.empty(n, sq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(n, sq, dtype=torch.float32, device=q.device)
     checks = torch.empty(n, q_blocks, FWD_CHECKS, dtype=torch.float32, device=q.device)
@@ -955,7 +956,7 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
     dq = torch.empty(n, sq, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(n, sk, d, dtype=torch.float32, device=q.device)
     dv = torch.empty(n, sk, d, dtype=torch.float32, device=q.device)  # per query head
-    q_blocks, k_blocks = triton.cdiv(sq, cfg.q.block_m), triton.cdiv(sk, cfg.kv.block_n)
+    q_blocks, k_blocks = ceil_div(sq, cfg.q.block_m), ceil_div(sk, cfg.kv.block_n)
     kv_check = torch.empty(n, k_blocks, KV_CHECKS, dtype=torch.float32, device=q.device)
     q_check = torch.empty(n, q_blocks, Q_CHECKS, dtype=torch.float32, device=q.device)
     model, stage, fargs = _fault_args(fault, True, sq, sk, d)

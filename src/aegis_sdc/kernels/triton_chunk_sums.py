@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from aegis_sdc.kernels.grid import ceil_div
+
 GROUPS = 64  # SUB-groups per loop iteration: 64 × 64 elements = 8 KB of bf16 per load
 TARGET_PROGRAMS = 528  # 4 per SM of an H200: enough loads in flight to stream at HBM bandwidth
 
@@ -51,9 +53,9 @@ def triton_chunk_sums(flat, chunks: int, chunk_size: int, sub: int):
     import torch
 
     block = GROUPS * sub
-    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, chunks), triton.cdiv(chunk_size, block)))
-    split_size = triton.cdiv(triton.cdiv(chunk_size, splits), block) * block
-    splits = triton.cdiv(chunk_size, split_size)
+    splits = max(1, min(ceil_div(TARGET_PROGRAMS, chunks), ceil_div(chunk_size, block)))
+    split_size = ceil_div(ceil_div(chunk_size, splits), block) * block
+    splits = ceil_div(chunk_size, split_size)
     partial = torch.empty(2, chunks, splits, dtype=torch.float64, device=flat.device)
     _chunk_sums_kernel[(chunks, splits)](
         flat, partial, flat.numel(), chunk_size, split_size, chunks, splits, SUB=sub, GROUPS=GROUPS

@@ -67,6 +67,7 @@ from aegis_sdc.kernels.gemm_side import (
     side_columns,
     side_descriptor,
 )
+from aegis_sdc.kernels.grid import ceil_div
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Fault models (constexpr): 0 none, 1 perturb (add delta), 2 bitflip (xor bits)
@@ -312,7 +313,7 @@ def shape_class(m: int, n: int, k: int) -> str:
         return "narrow-m"
     if k <= 512:
         return "short-k"
-    if triton.cdiv(m, 128) * triton.cdiv(n, 256) < 132:
+    if ceil_div(m, 128) * ceil_div(n, 256) < 132:
         return "few-tiles"
     return "large"
 
@@ -393,7 +394,7 @@ class CapturePool:
 def counters_needed(m: int, n: int, cfg: TritonGemmConfig) -> int:
     """int32 counters the evidence of a C [m, n] launch uses: finished blocks, tiles per row block,
     tiles per column block (gemm_evidence.arrive). Zero before a launch, left zero after it."""
-    return 1 + triton.cdiv(m, cfg.block_m) + triton.cdiv(n, cfg.block_n)
+    return 1 + ceil_div(m, cfg.block_m) + ceil_div(n, cfg.block_n)
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
@@ -566,7 +567,7 @@ def launch_checked_gemm(
     cfg = cfg or config_for(m, n, k)
     dev = a.device
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    tiles_m, tiles_n = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    tiles_m, tiles_n = ceil_div(m, bm), ceil_div(n, bn)
     row_parts = row_parts or tiles_n
     col_parts = col_parts or tiles_m
     if row_side and cvec is None and c_side is None:

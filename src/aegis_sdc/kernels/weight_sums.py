@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from aegis_sdc.kernels.grid import ceil_div
 from aegis_sdc.kernels.triton_gemm import INTERPRET, num_sms
 
 PARTIALS_BYTES = 16 << 20  # cap on the column partials [programs, K] fp64
@@ -45,9 +46,9 @@ def weight_sums(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     if w.stride(1) != 1:
         w = w.contiguous()
-    programs = max(1, min(2 * num_sms(w.device), triton.cdiv(n, 32), PARTIALS_BYTES // (8 * k)))
-    rows_per_program = triton.cdiv(n, programs)
-    programs = triton.cdiv(n, rows_per_program)
+    programs = max(1, min(2 * num_sms(w.device), ceil_div(n, 32), PARTIALS_BYTES // (8 * k)))
+    rows_per_program = ceil_div(n, programs)
+    programs = ceil_div(n, rows_per_program)
     row_sum = torch.empty(n, dtype=torch.float64, device=w.device)
     col_part = torch.empty(programs, k, dtype=torch.float64, device=w.device)
     bkc = 32 if INTERPRET else 256

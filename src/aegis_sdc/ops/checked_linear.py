@@ -289,7 +289,7 @@ def _triton_forward(
     call: LinearCall, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     hooks: LinearHooks = call.hooks
-    fwd_plan, _, wgrad_plan = call.plans
+    fwd_plan = call.plans[0]
     if fwd_plan is None:  # a checked wgrad takes X·1 in its own pass (_triton_backward)
         return F.linear(x2d, weight, bias)
     fwd_side, _ = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
