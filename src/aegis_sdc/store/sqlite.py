@@ -595,17 +595,21 @@ def read_site_series(run_dir: str | os.PathLike, wanted: Iterable[tuple[str, int
     return series
 
 
-def read_nonfinite(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Checked calls whose inputs held NaN/Inf, per step, site and rank, ordered by step."""
-    rows = []
-    for db, conn in _each_rank_read_only(run_dir):
-        for r in conn.execute(
-            "SELECT t.step, s.name AS site, t.nonfinite FROM step_stats t JOIN sites s ON s.id = t.site_id"
-            " WHERE t.nonfinite > 0 ORDER BY t.step, s.id"
-        ):
-            rows.append(dict(r) | {"rank": db.rank})
+def _rows_by_step(run_dir: str | os.PathLike, query: str) -> list[dict[str, Any]]:
+    """The rows of `query` (which selects a `step` column) from every rank's store, each with its
+    rank, ordered by step and rank."""
+    rows = [dict(r) | {"rank": db.rank} for db, conn in _each_rank_read_only(run_dir) for r in conn.execute(query)]
     rows.sort(key=lambda r: (r["step"], r["rank"]))
     return rows
+
+
+def read_nonfinite(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Checked calls whose inputs held NaN/Inf, per step, site and rank, ordered by step."""
+    return _rows_by_step(
+        run_dir,
+        "SELECT t.step, s.name AS site, t.nonfinite FROM step_stats t JOIN sites s ON s.id = t.site_id"
+        " WHERE t.nonfinite > 0 ORDER BY t.step, s.id",
+    )
 
 
 def read_events(run_dir: str | os.PathLike, kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:
@@ -628,13 +632,9 @@ def read_events(run_dir: str | os.PathLike, kinds: Iterable[str] | None = None) 
 
 def read_verdicts(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every verdict of all ranks with its vTask's site, step and channel, ordered by step."""
-    rows = []
-    for db, conn in _each_rank_read_only(run_dir):
-        for r in conn.execute(
-            "SELECT v.vtask_id, t.step, s.name AS site, t.channel, v.kind, v.wrong_execution, v.replay_ms,"
-            " v.latency_steps, v.latency_ms, v.decided_step FROM verdicts v JOIN vtasks t ON t.id = v.vtask_id"
-            " LEFT JOIN sites s ON s.id = t.site_id ORDER BY t.step, v.vtask_id"
-        ):
-            rows.append(dict(r) | {"rank": db.rank})
-    rows.sort(key=lambda r: (r["step"], r["rank"]))
-    return rows
+    return _rows_by_step(
+        run_dir,
+        "SELECT v.vtask_id, t.step, s.name AS site, t.channel, v.kind, v.wrong_execution, v.replay_ms,"
+        " v.latency_steps, v.latency_ms, v.decided_step FROM verdicts v JOIN vtasks t ON t.id = v.vtask_id"
+        " LEFT JOIN sites s ON s.id = t.site_id ORDER BY t.step, v.vtask_id",
+    )
