@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime, timezone
@@ -48,7 +49,9 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     out = run_dir / "aegis-report.html" if out is None else Path(out)
     page = render_report(run_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
+    partial = out.with_name(out.name + ".partial")  # a reader never sees half a page
+    partial.write_text(page, encoding="utf-8")
+    os.replace(partial, out)
     return out
 
 
