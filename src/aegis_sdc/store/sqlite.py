@@ -372,10 +372,10 @@ def reading(path: str | os.PathLike) -> Iterator[sqlite3.Connection]:
         conn.close()
 
 
-def _each_rank(run_dir: str | os.PathLike) -> Iterator[tuple[RankDatabase, sqlite3.Connection]]:
-    """Every rank database of a run directory with a reader, one at a time."""
+def _each_rank(run_dir: str | os.PathLike, opener=None) -> Iterator[tuple[RankDatabase, sqlite3.Connection]]:
+    """Every rank database of a run directory with a reader (`reading`, or `opener`), one at a time."""
     for db in rank_databases(run_dir):
-        with reading(db.path) as conn:
+        with (opener or reading)(db.path) as conn:
             yield db, conn
 
 
@@ -504,9 +504,7 @@ def reading_only(path: str | os.PathLike) -> Iterator[sqlite3.Connection]:
 
 
 def _each_rank_read_only(run_dir: str | os.PathLike) -> Iterator[tuple[RankDatabase, sqlite3.Connection]]:
-    for db in rank_databases(run_dir):
-        with reading_only(db.path) as conn:
-            yield db, conn
+    return _each_rank(run_dir, reading_only)
 
 
 def _loads(text: str | None) -> Any:
