@@ -213,6 +213,7 @@ class Guard:
             self.budget = BudgetController(
                 budget, sampling.rotation_steps, sampling.replan_steps, StepTimer(device), saved_probability=saved
             )
+        self._saved_checker: SavedTensorChecker | None = None  # set with the fingerprint checkers
         self._check_costs: dict[tuple, float] = {}
         self._last_calls: list[int] = []
         self._pending_events: list[tuple[str, str, int]] = []  # events for the next record (plans, gaps)
@@ -353,11 +354,10 @@ class Guard:
         if fp.recompute:
             self._checkers.append(RecomputeChecker(model, self.fingerprints, self.tracer, self.injector, self.clock))
         if fp.saved_tensors:
-            self._checkers.append(
-                SavedTensorChecker(
-                    model, self.fingerprints, self.injector, self.clock, fp.saved_min_bytes, fp.saved_probability
-                )
+            self._saved_checker = SavedTensorChecker(
+                model, self.fingerprints, self.injector, self.clock, fp.saved_min_bytes, fp.saved_probability
             )
+            self._checkers.append(self._saved_checker)
         for checker in self._checkers:
             checker.install()
 
@@ -539,10 +539,8 @@ class Guard:
             attention_calibrating = any(s.calibrating and s.shape is not None for s in self.attention_sensors.values())
             # likewise a GEMM site never called (the dgrad of a first Linear whose input needs no
             # gradient) — once some site has been called: before the first step, all are to come
-            called = [s.shape is not None for s in self.sensors]
-            gemm_calibrating = bool(called) and (
-                not any(called) or bool(calibrating[np.asarray(called, dtype=bool)].any())
-            )
+            called = np.fromiter((s.shape is not None for s in self.sensors), dtype=bool, count=len(self.sensors))
+            gemm_calibrating = bool((calibrating & called).any()) or (called.size > 0 and not called.any())
             quiet = self._plan_budget(gemm_calibrating or attention_calibrating)
         for sensor in self.attention_sensors.values():
             sensor.quiet = quiet
@@ -556,11 +554,11 @@ class Guard:
         sampling measure the step, the checks are timed at each site's shape, and the plan fills the
         budget; the cycle repeats every `replan_steps` steps. True: this step samples nothing."""
         phase = self.budget.step_begins(calibrating)
-        for checker in getattr(self, "_checkers", ()):  # (none yet while protect() draws the first plan)
-            if isinstance(checker, SavedTensorChecker):  # a probe measures a saved-tensor step; quiet has none
-                checker.forced = {"probe": True, "quiet": False}.get(phase)
-                if self.budget.saved_planned is not None:
-                    checker.probability = self.budget.saved_planned
+        saved = self._saved_checker
+        if saved is not None:  # a probe measures a saved-tensor step; quiet steps have none
+            saved.forced = {"probe": True, "quiet": False}.get(phase)
+            if self.budget.saved_planned is not None:
+                saved.probability = self.budget.saved_planned
         if self.budget.due():
             # one knapsack over the GEMM sites and the attention modules (a call's forward and
             # backward are checked together), each at its measured cost per check

@@ -280,9 +280,17 @@ class CheckedLinearFunction(torch.autograd.Function):
             # backward(create_graph=True): a gradient that will itself be differentiated (gradient
             # penalties, meta-learning). The checked kernels have no derivative of their own, so this
             # call's dgrad and wgrad run as differentiable torch GEMMs, unchecked; its forward was checked.
-            return (dy.mm(weight) if needs_dx else None), (dy.t().mm(x2d) if needs_dw else None), db, None, None, None
-        dx, dw = linear_backward(ctx.call, dy, x2d, weight, needs_dx, needs_dw)
+            dx, dw = plain_backward(dy, x2d, weight, needs_dx, needs_dw)
+        else:
+            dx, dw = linear_backward(ctx.call, dy, x2d, weight, needs_dx, needs_dw)
         return dx, dw, db, None, None, None
+
+
+def plain_backward(
+    dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, needs_dx: bool, needs_dw: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dX, dW) as torch GEMMs: unchecked, and differentiable when grad mode is on."""
+    return (dy.mm(weight) if needs_dx else None), (dy.t().mm(x2d) if needs_dw else None)
 
 
 def _triton_forward(

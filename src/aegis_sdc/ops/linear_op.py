@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from aegis_sdc.ops.checked_linear import LinearCall, LinearHooks, linear_backward, linear_forward
+from aegis_sdc.ops.checked_linear import LinearCall, LinearHooks, linear_backward, linear_forward, plain_backward
 
 _HOOKS: list[LinearHooks | None] = []  # handle → the hooks of one protected Linear (None once closed)
 
@@ -71,8 +71,7 @@ def checked_linear_backward(
     hooks = _HOOKS[handle]
     call = hooks.pending.pop() if hooks is not None and hooks.pending else None
     if call is None:
-        dx = dy.mm(weight) if needs_dx else None
-        dw = dy.t().mm(x) if needs_dw else None
+        dx, dw = plain_backward(dy, x, weight, needs_dx, needs_dw)
     else:
         dx, dw = linear_backward(call, dy, x, weight, needs_dx, needs_dw)
     return (dx if dx is not None else dy.new_empty(0)), (dw if dw is not None else dy.new_empty(0))
@@ -94,14 +93,13 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, dy: torch.Tensor):
     x, weight = ctx.saved_tensors
     needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
+    db = dy.sum(dim=0) if ctx.has_bias and needs_db else None
     if torch.is_grad_enabled():  # backward(create_graph=True): differentiable and unchecked (checked_linear.py)
         hooks = _HOOKS[ctx.handle]
         if hooks is not None and hooks.pending:
             hooks.pending.pop()  # this call's entry: the next backward takes the one before it
-        db = dy.sum(dim=0) if ctx.has_bias and needs_db else None
-        return (dy.mm(weight) if needs_dx else None), (dy.t().mm(x) if needs_dw else None), db, None
+        return (*plain_backward(dy, x, weight, needs_dx, needs_dw), db, None)
     dx, dw = torch.ops.aegis_sdc.linear_backward(dy, x, weight, ctx.handle, needs_dx, needs_dw)
-    db = dy.sum(dim=0) if ctx.has_bias and needs_db else None
     return (dx if needs_dx else None), (dw if needs_dw else None), db, None
 
 
