@@ -117,7 +117,11 @@ def make_runner(label: str, workload: str, compiled: bool) -> Runner:
     guard = None
     sampling = CONFIGS[label]
     if sampling is not None:
-        config = aegis.GuardConfig(run_dir=tempfile.mkdtemp(prefix=f"e2e-{workload}-{label}-"), sampling=sampling)
+        # p = 0: nothing checked, saved tensors included — what the instrumentation alone costs (a
+        # saved-tensor step, 1% of steps by default, costs 40–75 ms: the budget pays for it)
+        fingerprints = aegis.FingerprintConfig(saved_probability=0.0) if label == "p0" else aegis.FingerprintConfig()
+        config = aegis.GuardConfig(run_dir=tempfile.mkdtemp(prefix=f"e2e-{workload}-{label}-"), sampling=sampling,
+                                   fingerprints=fingerprints)  # fmt: skip
         guard = aegis.protect(model, optimizer=optimizer, config=config)
     if compiled:
         model = torch.compile(model)

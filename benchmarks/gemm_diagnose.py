@@ -6,7 +6,7 @@ evidence); the full row check with evidence inside the launch and in a second la
 row+col check. Then the host time per launch (launches queued back to back,
 no synchronization), and the registers and spills of every compiled variant.
 
-    python benchmarks/gemm_diagnose.py [--out benchmarks/results/gemm_diagnose.json]
+    python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--out benchmarks/results/gemm_diagnose.json]
 """
 
 from __future__ import annotations
@@ -72,12 +72,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gemm_diagnose.json")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the host side of launches, then stop")
+    parser.add_argument("--layers", default=",".join(name for name, *_ in SHAPES), help="which of SHAPES to run")
     args = parser.parse_args()
     if args.profile_host:
         profile_host()
         return
     rows = []
-    for name, m, k, n in SHAPES:
+    for name, m, k, n in [shape for shape in SHAPES if shape[0] in args.layers.split(",")]:
         for kind in ("fwd", "wgrad"):
             case = Case(kind, m, k, n)
             row = {"layer": name, "M": m, "K": k, "N": n, "gemm": kind}

@@ -42,6 +42,7 @@ def main() -> None:
     print(report[:6000])
     if args.out is not None:
         args.out.write_text(report)
+        profiler.dump_stats(args.out.with_suffix(".pstats"))  # the whole profile, for pstats
     runner.guard.close()
 
 

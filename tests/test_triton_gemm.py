@@ -17,6 +17,7 @@ import torch
 from aegis_sdc.kernels import triton_gemm as tg
 from aegis_sdc.kernels.gemm_side import SideMatrix
 from aegis_sdc.kernels.reference import U32, checked_gemm
+from aegis_sdc.kernels.weight_sums import weight_side_matrices, weight_sides
 from aegis_sdc.ops.triton_replay import TritonGemmCall, TritonGemmCapture
 from aegis_sdc.sensors.thresholds import worst_case_bound
 
@@ -269,18 +270,42 @@ def test_the_side_matrix_splits_its_vector_into_three_exact_parts(dtype):
             assert scale == 1.0 or magnitude == 0.0
 
 
-def test_launch_variants_are_keyed_on_constexprs_dtypes_and_blocks():
-    # The direct launch path (GPU) reuses a compiled variant by this key: it must tell apart what
-    # Triton would compile apart, and nothing else (shapes and strides are runtime integers).
-    a = torch.empty(64, 32, dtype=torch.float16)
+@pytest.mark.parametrize(
+    "dtype",
+    [*CPU_DTYPES, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],  # bf16 arithmetic is wrong interpreted
+)
+def test_a_weights_sums_and_side_matrices_come_from_two_deterministic_launches(dtype):
+    # (Wᵀ·1, W·1) against fp64 torch sums, every shape's programs and chunks exercised (ragged N and K),
+    # twice bit for bit (a replay recomputes them); bf16 S matrices written by the same launches.
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((37, 70), (300, 33), (5, 1)):
+        w = (torch.randn(n, k, generator=g) * 3).to(dtype).to(DEVICE)
+        col_sum, row_sum, s_col, s_row = weight_sides(w)
+        w64 = w.double()
+        # fp64 sums of at most max(n, k) terms in another order: apart by n·u64 of the absolute sums
+        assert torch.allclose(col_sum, w64.sum(0), rtol=0, atol=n * 2**-52 * float(w64.abs().sum(0).max()))
+        assert torch.allclose(row_sum, w64.sum(1), rtol=0, atol=k * 2**-52 * float(w64.abs().sum(1).max()))
+        again = weight_sides(w)
+        assert torch.equal(again[0], col_sum) and torch.equal(again[1], row_sum)
+        if dtype != torch.bfloat16:
+            assert s_col is None and s_row is None  # fp16 needs a scale: SideMatrix.of
+            continue
+        for vec, s in ((col_sum, s_col), (row_sum, s_row)):
+            s = s.double()
+            assert torch.equal(s[:, 3], torch.ones_like(vec)) and not s[:, 4:].any()
+            # three bf16 parts, each rounded from fp32: what is left is under 2^-24 of |v| (fp32's
+            # rounding of the last remainder) plus bf16's smallest subnormal
+            left = (s[:, :3].sum(dim=1) - vec).abs()
+            assert bool((left <= vec.abs() * 2.0**-23 + 2.0**-133).all())
+        fwd, dgrad = weight_side_matrices(w)
+        assert torch.equal(fwd.matrix, s_col) and torch.equal(dgrad.vec, row_sum)
 
-    def key(x, block=(32, 16), **constexprs):
-        desc = tg.TensorDescriptor.from_tensor(x, list(block))
-        return tg._variant_key(tg.checked_gemm_kernel, (desc, x, 5, 7), {"BM": 32, **constexprs}, {"num_warps": 4})
 
-    assert key(a) == key(torch.empty(128, 48, dtype=torch.float16))  # another shape: same variant
-    assert key(a) != key(a.float()) and key(a) != key(a, block=(16, 16)) and key(a) != key(a, BM=64)
-    assert key(a) == key(torch.empty(64, 64, dtype=torch.float16)[:, :32])  # another row stride: same variant
+def test_integer_arguments_that_need_64_bits_are_a_variant_of_their_own():
+    # The direct launch path (GPU) reuses a compiled variant by constexprs, dtypes and this flag:
+    # Triton compiles an integer argument as i64 once it leaves the i32 range.
+    assert not tg._wide(5, 7, 2**31 - 1, -(2**31))
+    assert tg._wide(5, 2**31) and tg._wide(-(2**31) - 1, 3)
 
 
 def test_tma_compatibility_is_checked_on_the_host():

@@ -634,6 +634,12 @@ class Guard:
         self._require_open()
         gated = self.config.gate_optimizer and gateable(optimizer, self._device)
         collected = self._collect(gate=gated)
+        if collected.nothing_to_judge():
+            # A step without checks (unsampled, p = 0): nothing in it can hold the update back, so it
+            # is concluded after the update is launched (any optimizer) — the GPU never idles behind
+            # its bookkeeping.
+            self._collected = collected
+            return
         if collected.gate is None or collected.fp_records or collected.alarmed_on_host():
             # Fingerprint replays and reference-path alarms are judged on the host, before the update.
             self._conclude(collected, drain=False)
@@ -646,7 +652,8 @@ class Guard:
             return
         collected, self._collected = self._collected, None
         if collected is not None:
-            self.gate.release(optimizer, collected.held_found_inf)
+            if collected.gate is not None:  # held (a step without checks was not)
+                self.gate.release(optimizer, collected.held_found_inf)
             report = self._conclude(collected, drain=False)  # may raise: the update stays held back
             if report.alarms:  # the gate held the update back; the verdicts let it through
                 self.gate.reapply(optimizer, args, kwargs)

@@ -18,8 +18,8 @@ Bᵀ·S(u1) the same way on B's tiles.
 
 S is built once per vector, not per tile: a weight's two S matrices once per weight and step
 (with its sums), a by-product's S by the kernel that computes it (`store_side`), anything else by
-`SideMatrix.of` — and the kernel loads [BK, 16] of it per K step through a TMA descriptor (made once
-per `SideMatrix`), like an operand tile: it lands in shared memory, where the MMA reads it.
+`SideMatrix.of` — and the kernel loads [BK, 16] of it per K step through a TMA descriptor (built on
+the device, `side_descriptor`), like an operand tile: it lands in shared memory, where the MMA reads it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from aegis_sdc.kernels.grid import ceil_div
 
@@ -46,14 +45,6 @@ class SideMatrix:
     vec: torch.Tensor
     matrix: torch.Tensor
     scale: torch.Tensor
-    _descriptors: dict = dataclasses.field(default_factory=dict, repr=False)
-
-    def descriptor(self, block_k: int) -> TensorDescriptor:
-        """S as the kernel loads it, [block_k, 16] per K step (made once per block size)."""
-        desc = self._descriptors.get(block_k)
-        if desc is None:
-            desc = self._descriptors[block_k] = side_descriptor(self.matrix, block_k)
-        return desc
 
     @classmethod
     def of(cls, vec: torch.Tensor, dtype: torch.dtype) -> SideMatrix:
@@ -77,11 +68,6 @@ class SideMatrix:
     def written_by_kernel(cls, vec: torch.Tensor, matrix: torch.Tensor) -> SideMatrix:
         """The S a checked launch wrote of its by-product (`store_side`: bf16, 2ᵉ = 1)."""
         return cls(vec, matrix, _unit_scale(vec.device))
-
-
-def side_descriptor(matrix: torch.Tensor, block_k: int) -> TensorDescriptor:
-    """A TMA descriptor over an S [K, 16] (rows of 32 or 64 bytes: TMA's 16-byte rule holds)."""
-    return TensorDescriptor.from_tensor(matrix, [block_k, SIDE_COLUMNS])
 
 
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
@@ -127,6 +113,13 @@ def side_matrix_kernel(vec_ptr, top_ptr, s_ptr, scale_ptr, n, FP16: tl.constexpr
     s = tl.where(col == 0, hi[:, None], tl.where(col == 1, lo[:, None], lo2[:, None]))
     s = tl.where(col == 3, 1.0, tl.where(col > 3, 0.0, s))
     tl.store(s_ptr + rows[:, None] * SIDE_N + col, s.to(DT), mask=mask[:, None])
+
+
+@triton.jit
+def side_descriptor(s_ptr, K, BK: tl.constexpr):
+    """A TMA descriptor over an S [K, 16] (contiguous rows of 32 or 64 bytes: TMA's 16-byte rule
+    holds), loaded [BK, 16] at a time."""
+    return tl.make_tensor_descriptor(s_ptr, shape=[K, SIDE_N], strides=[SIDE_N, 1], block_shape=[BK, SIDE_N])
 
 
 @triton.jit

@@ -132,18 +132,18 @@ def _side_part(x_desc, s_desc, scale_ptr, off, part, parts, k_tiles, ref_ptr, on
 
 # Integer arguments are not specialized on their values (a shape seen for the first time reuses the
 # compiled variant: no compile mid-run, and the launch path below can key variants on constexprs).
-_RUNTIME_INTS = ["stride_a", "stride_b", "data_len", "f32_len", "fault_row", "fault_col", "fault_mask", "side_all",
+_RUNTIME_INTS = ["stride_a", "stride_b", "stride_c", "data_len", "f32_len", "fault_row", "fault_col", "fault_mask", "side_all",
                  "row_parts", "col_parts", "M", "N", "K"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def checked_gemm_kernel(
-    a_desc,
-    b_desc,
-    c_desc,  # C [M, N] (TMA store)
+    a_ptr,  # A [M, K] row stride stride_a (Aᵀ [K, M] when A_T)
+    b_ptr,  # B [K, N] row stride stride_b (Bᵀ [N, K] when B_T)
+    c_ptr,  # C [M, N] row stride stride_c (TMA store)
     bias_ptr,
-    side_c_desc,  # S(c) [K, 16] operand dtype, blocks [BK, 16]: c = B·1 (row side; gemm_side.py)
-    side_u_desc,  # S(u1) [K, 16], blocks [BK, 16]: u1 = 1ᵀA (column side)
+    side_c_ptr,  # S(c) [K, 16] operand dtype, contiguous: c = B·1 (row side; gemm_side.py)
+    side_u_ptr,  # S(u1) [K, 16]: u1 = 1ᵀA (column side)
     c_scale_ptr,  # fp32 [1]: 2ᵉ of S(c)
     u_scale_ptr,  # fp32 [1]: 2ᵉ of S(u1)
     row_part_ptr,  # [tiles_n, M] fp32 out: Σ_j acc per tile
@@ -154,8 +154,6 @@ def checked_gemm_kernel(
     rowref_ptr,  # [row_parts, M] fp64 out: A·c per K slice (slice j from the tiles of column block j)
     rowones_ptr,  # [row_parts, M] fp64 out: A·1 per K slice, the by-product's parts
     colref_ptr,  # [col_parts, N] fp64 out: u1ᵀB per K slice (slice i from the tiles of row block i)
-    a_ptr,  # inline evidence: the storage behind a_desc and b_desc, for a capture copy
-    b_ptr,
     counters_ptr,  # int32 [1 + tiles_m + tiles_n], zero (see gemm_evidence.arrive)
     stats_ptr,  # int64 [STATS_LEN], zero
     stats_f64_ptr,  # the same slot as fp64
@@ -166,6 +164,7 @@ def checked_gemm_kernel(
     col_threshold,
     stride_a,
     stride_b,
+    stride_c,
     data_len,
     f32_len,
     fault_row,
@@ -195,6 +194,19 @@ def checked_gemm_kernel(
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    # The TMA descriptors, built on the device once per program (in global scratch that `_launch`
+    # provides): the host passes plain pointers, so a launch builds no descriptor object.
+    if A_T:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BK, BM])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BM, BK])
+    if B_T:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BN, BK])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BK, BN])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_c, 1], block_shape=[BM, BN])
+    side_c_desc = side_descriptor(side_c_ptr, K, BK)
+    side_u_desc = side_descriptor(side_u_ptr, K, BK)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -228,7 +240,7 @@ def checked_gemm_kernel(
         out = acc
         if HAS_BIAS:
             out = out + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        out = out.to(c_desc.dtype)
+        out = out.to(c_ptr.dtype.element_ty)
         if ROW_CHECK:
             tl.store(row_part_ptr + pid_n * M + offs_m, tl.sum(acc, axis=1), mask=mask_m)
             tl.store(rsq_part_ptr + pid_n * M + offs_m, tl.sum(acc * acc, axis=1), mask=mask_m)
@@ -266,7 +278,6 @@ import functools  # noqa: E402
 import warnings  # noqa: E402
 
 import torch  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,66 +433,109 @@ def _workspace(device: torch.device, name: str, shape: tuple[int, ...], dtype: t
     return view
 
 
-_NO_SIDE: dict[tuple, TensorDescriptor] = {}
+@dataclasses.dataclass(frozen=True)
+class _Fillers:
+    """What a launch passes where a variant takes no tensor (never read or written by it), per device."""
+
+    f32: torch.Tensor  # fp32 [1]
+    f64: torch.Tensor  # fp64 [1]
+    i32: torch.Tensor  # int32 [1]
+    stats: torch.Tensor  # int64 [STATS_LEN]
+    stats_f64: torch.Tensor  # the same as fp64
+    sides: dict  # dtype → zeros [64, 16]: the S of a launch without that side (its descriptor is never loaded)
 
 
-def _no_side(device: torch.device, dtype: torch.dtype, block_k: int) -> TensorDescriptor:
-    """The descriptor passed where a launch takes no reference side (never loaded)."""
-    key = (device, dtype, block_k)
-    desc = _NO_SIDE.get(key)
-    if desc is None:
-        matrix = torch.zeros(block_k, SIDE_COLUMNS, dtype=dtype, device=device)
-        desc = _NO_SIDE[key] = side_descriptor(matrix, block_k)
-    return desc
+_FILLERS: dict[torch.device, _Fillers] = {}
+
+
+def _fillers(device: torch.device) -> _Fillers:
+    fillers = _FILLERS.get(device)
+    if fillers is None:
+        stats = torch.zeros(STATS_LEN, dtype=torch.int64, device=device)
+        fillers = _FILLERS[device] = _Fillers(
+            torch.zeros(1, dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.float64, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+            stats,
+            stats.view(torch.float64),
+            {dt: torch.zeros(64, SIDE_COLUMNS, dtype=dt, device=device) for dt in (torch.bfloat16, torch.float16,
+                                                                                    torch.float32)},
+        )  # fmt: skip
+    return fillers
 
 
 def _fresh(device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+class _DescriptorScratch:
+    """Global memory for the TMA descriptors the kernels build on the device: Triton asks for it at
+    every launch (programs × bytes per program). One buffer per device and stream, grown to the
+    largest request and reused: launches on one stream run one after the other, so a launch's
+    descriptors are no longer read when the next launch on that stream writes its own."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        key = (torch.cuda.current_device(), stream or 0)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            # 256-byte aligned by the caching allocator (descriptors need 64 bytes)
+            buffer = self._buffers[key] = torch.empty(max(size, 1 << 16), dtype=torch.uint8, device=key[0])
+        return buffer
+
+
+_SCRATCH = _DescriptorScratch()
+# The allocator Triton calls is a context variable (autograd runs backward in threads of its own):
+# set around each launch and restored, so a user's own allocator keeps serving the user's kernels.
+_ALLOCATOR_VAR = getattr(getattr(triton.runtime, "_allocation", None), "_allocator", None)
 _COMPILED: dict[tuple, object] = {}
 _direct_launch = not INTERPRET
 
 
-def _variant_key(kernel, args: tuple, constexprs: dict, options: dict) -> tuple:
-    """What selects a compiled variant of `kernel` for these arguments (see `_launch`)."""
-    signature = tuple(
-        (a.base.dtype, tuple(a.block_shape)) if isinstance(a, TensorDescriptor)
-        else a.dtype if isinstance(a, torch.Tensor)
-        else -(2**31) <= a < 2**31 if isinstance(a, int)
-        else None
-        for a in args
-    )  # fmt: skip
-    first = args[0].base if isinstance(args[0], TensorDescriptor) else args[0]
-    return kernel, first.device, tuple(constexprs.items()), tuple(options.items()), signature
-
-
-def _launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict) -> None:
+def _launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict, variant: tuple) -> None:
     """kernel[grid](*args, **constexprs, **options), with the compiled variant reused directly.
 
-    Triton's own launch binds and specializes every argument in Python on every call: 120–240 µs
-    of host time per launch of these kernels' ~45 arguments on the H200 — more than a small GEMM's
-    GPU time; launched this way, 60–120 µs. The
-    kernels specialize on nothing but their constexprs, the operands' dtypes and the descriptors'
-    block shapes (integers are `do_not_specialize`; every pointer is 16-byte aligned: TMA requires
-    it, the allocator gives it), so a variant is keyed on those and launched through its compiled
-    handle. Should a Triton version launch differently, the first failure turns this off (with a
-    warning) and every launch takes Triton's own path."""
+    Triton's own launch binds and specializes every argument in Python on every call (120–240 µs of
+    host time for these kernels' ~45 arguments on the H200, more than a small GEMM's GPU time). The
+    kernels specialize on nothing but their constexprs, the dtypes of their operands and whether an
+    integer needs 64 bits (integers are `do_not_specialize`; every pointer is 16-byte aligned: TMA
+    requires it, the allocator gives it), so the caller names the variant by those (`variant`, with
+    the device) and it is launched through its compiled handle. Should a Triton version launch
+    differently, the first failure turns this off (with a warning) and every launch takes Triton's
+    own path."""
     global _direct_launch
-    if not _direct_launch:
-        kernel[grid](*args, **constexprs, **options)
-        return
-    key = _variant_key(kernel, args, constexprs, options)
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        _COMPILED[key] = kernel[grid](*args, **constexprs, **options)
-        return
+    token = None
+    if _ALLOCATOR_VAR is not None:
+        if _ALLOCATOR_VAR.get() is not _SCRATCH:
+            token = _ALLOCATOR_VAR.set(_SCRATCH)
+    elif not INTERPRET:
+        triton.set_allocator(_SCRATCH)
     try:
-        compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # its runner reads three grid sizes
-    except Exception as error:  # any failure: fall back for good, loudly
-        _direct_launch = False
-        warnings.warn(f"aegis-sdc: direct kernel launch failed ({error!r}); using Triton's launch path", stacklevel=2)
-        kernel[grid](*args, **constexprs, **options)
+        if not _direct_launch:
+            kernel[grid](*args, **constexprs, **options)
+            return
+        key = (kernel, variant, *constexprs.values(), *options.values())
+        compiled = _COMPILED.get(key)
+        if compiled is None:
+            _COMPILED[key] = kernel[grid](*args, **constexprs, **options)
+            return
+        try:
+            compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # its runner reads three grid sizes
+        except Exception as error:  # any failure: fall back for good, loudly
+            _direct_launch = False
+            warnings.warn(f"aegis-sdc: direct kernel launch failed ({error!r}); using Triton's launch path",
+                          stacklevel=2)  # fmt: skip
+            kernel[grid](*args, **constexprs, **options)
+    finally:
+        if token is not None:
+            _ALLOCATOR_VAR.reset(token)
+
+
+def _wide(*ints: int) -> bool:
+    """Whether any of these integer arguments needs 64 bits (Triton compiles such a variant apart)."""
+    return max(ints) >= 2**31 or min(ints) < -(2**31)
 
 
 @dataclasses.dataclass
@@ -531,6 +585,7 @@ def launch_checked_gemm(
     row_side: bool = False,
     col_check: bool = False,
     stats: torch.Tensor | None = None,
+    stats_f64: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     pool: CapturePool | None = None,
     capture: int = CAPTURE_NONE,
@@ -551,8 +606,9 @@ def launch_checked_gemm(
     `a` is A [M, K] (or Aᵀ [K, M] when a_t); `b` is B [K, N] (or Bᵀ [N, K] when b_t). The row side
     needs c = B·1 (`cvec`, fp64 [K]) and a column check u1 = 1ᵀA (`u1`, fp64 [K]); their side matrices
     (`c_side`, `u_side`, gemm_side.SideMatrix) are built here when not given — callers that launch
-    often keep them (once per weight and step). `stats` (int64 [STATS_LEN], zero) and `counters`
-    (int32 [counters_needed(M, N, cfg)], zero) are needed for evidence.
+    often keep them (once per weight and step). `stats` (int64 [STATS_LEN], zero; `stats_f64` its
+    fp64 view, where the caller keeps one) and `counters` (int32 [counters_needed(M, N, cfg)], zero)
+    are needed for evidence.
 
     `byproduct` (fp64 [M]) receives A·1 and `byproduct_side` ([M, 16], bf16 operands) its S, for a
     later wgrad check: both written by the finishing launch (the evidence launch, which then also
@@ -603,22 +659,28 @@ def launch_checked_gemm(
         raise ValueError("row evidence needs the row side")
     if capture != CAPTURE_NONE and pool is None:
         raise ValueError("a capture needs a CapturePool")
-    dummy = _workspace(dev, "dummy", (1,), f32)
-    dummy64 = _workspace(dev, "dummy64", (1,), f64)
-    stats_slot = stats if stats is not None else _workspace(dev, "stats", (STATS_LEN,), torch.int64)
-    a_desc = TensorDescriptor.from_tensor(a, [bk, bm] if a_t else [bm, bk])
-    b_desc = TensorDescriptor.from_tensor(b, [bn, bk] if b_t else [bk, bn])
-    c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
+    fill = _fillers(dev)
+    dummy, dummy64 = fill.f32, fill.f64
+    if stats is None:
+        stats, stats_f64 = fill.stats, fill.stats_f64
+    elif stats_f64 is None:
+        stats_f64 = stats.view(torch.float64)
+    no_side = fill.sides[a.dtype]
     model, frow, fcol, fdelta, fmask = fault if fault is not None else (FAULT_NONE, -1, -1, 0.0, 0)
     grid = (min(num_sms(dev), tiles_m * tiles_n),)
     data_len, f32_len = (pool.data.shape[1], pool.f32.shape[1]) if pool is not None else (0, 0)
     inline = evidence and cfg.inline_evidence
-    pool_counter = pool.counter if pool is not None else _workspace(dev, "pool_counter", (1,), torch.int32)
+    pool_counter = pool.counter if pool is not None else fill.i32
+    ints = (a.stride(0), b.stride(0), out.stride(0), data_len, f32_len, int(frow), int(fcol), int(fmask),
+            int(side_all), row_parts, col_parts, m, n, k)  # fmt: skip
+    variant = (dev, a.dtype, b.dtype, out.dtype, None if bias is None else bias.dtype, _wide(*ints))
     args = (
-        a_desc, b_desc, c_desc,
+        a,
+        b,
+        out,
         bias if bias is not None else dummy,
-        c_side.descriptor(bk) if c_side is not None else _no_side(dev, a.dtype, bk),
-        u_side.descriptor(bk) if u_side is not None else _no_side(dev, a.dtype, bk),
+        c_side.matrix if c_side is not None else no_side,
+        u_side.matrix if u_side is not None else no_side,
         c_side.scale if c_side is not None else dummy,
         u_side.scale if u_side is not None else dummy,
         row_part if row_part is not None else dummy,
@@ -629,16 +691,18 @@ def launch_checked_gemm(
         rowref if rowref is not None else dummy64,
         rowones if rowones is not None else dummy64,
         colref if colref is not None else dummy64,
-        a, b,
-        counters if counters is not None else dummy,
-        stats_slot, stats_slot.view(torch.float64),
+        counters if counters is not None else fill.i32,
+        stats,
+        stats_f64,
         pool.data if pool is not None else out,
         pool.f32 if pool is not None else dummy64,
         pool_counter,
-        float(row_threshold), float(col_threshold), a.stride(0), b.stride(0), data_len, f32_len,
-        int(frow), int(fcol), float(fdelta), int(fmask), int(side_all), row_parts, col_parts,
-        m, n, k,
-    )  # fmt: skip
+        float(row_threshold),
+        float(col_threshold),
+        *ints[:7],
+        float(fdelta),
+        *ints[7:],
+    )  # fmt: skip (the kernel's parameters, in their order: fault_delta sits between fault_col and fault_mask)
     constexprs = dict(
         A_T=a_t,
         B_T=b_t,
@@ -657,7 +721,8 @@ def launch_checked_gemm(
         BK=bk,
         GROUP_M=cfg.group_m,
     )  # fmt: skip (the kernel's constexpr parameters, in their order)
-    _launch(checked_gemm_kernel, grid, args, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _launch(checked_gemm_kernel, grid, args, constexprs, options, variant)
     separate = evidence and not inline
     wants_byproduct = byproduct is not None or byproduct_side is not None
     if separate or wants_byproduct:
@@ -676,7 +741,7 @@ def launch_checked_gemm(
             byproduct if byproduct is not None else dummy64,
             byproduct_side if byproduct_side is not None else out,
             counters if counters is not None else pool_counter,
-            stats_slot, stats_slot.view(torch.float64),
+            stats, stats_f64,
             pool.data if pool is not None else out,
             pool.f32 if pool is not None else dummy64,
             pool_counter,
@@ -686,5 +751,5 @@ def launch_checked_gemm(
                           else CAPTURE_NONE, POOL=pool.slots if pool is not None else 1,
                           BYPRODUCT=byproduct is not None, SIDE_OUT=byproduct_side is not None,
                           DT=_TL_DTYPES[a.dtype], BM=bm, BN=bn)  # fmt: skip
-        _launch(evidence_kernel, (blocks,), args, constexprs, dict(num_warps=4))
+        _launch(evidence_kernel, (blocks,), args, constexprs, dict(num_warps=4), variant)
     return GemmLaunch(row_part, rsq_part, out_part, col_part, csq_part, rowref, rowones, colref, byproduct)

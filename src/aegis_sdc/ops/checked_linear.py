@@ -16,6 +16,7 @@ and the fused Triton kernel (kernels/triton_gemm.py) for CUDA tensors. Unchecked
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -216,12 +217,23 @@ class LinearCall:
     x_sums: triton_linear.Byproduct | None = None  # X·1 when the checked forward made it
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def _autocast_off(device_type: str):
+    """A context with autocast off: the GEMMs here run in the operands' dtype, as the checks and
+    replays assume. Entered only where autocast is on (entering it costs microseconds per call)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return _NO_CONTEXT
+
+
 def linear_forward(
     call: LinearCall, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """Y = X·Wᵀ + b for a planned call (its forward GEMM checked or not, as planned)."""
     hooks = call.hooks
-    with torch.autocast(x2d.device.type, enabled=False):
+    with _autocast_off(x2d.device.type):
         if hooks.use_triton(x2d, weight):
             call.triton = True
             out = _triton_forward(call, x2d, weight, bias)
@@ -241,7 +253,7 @@ def linear_backward(
     hooks = call.hooks
     _, dgrad_plan, wgrad_plan = call.plans
     dx = dw = None
-    with torch.autocast(dy.device.type, enabled=False):
+    with _autocast_off(dy.device.type):
         if call.triton and triton_linear.usable(dy.contiguous()):
             dx, dw = _triton_backward(call, dy.contiguous(), x2d, weight, needs_dx, needs_dw)
         else:

@@ -22,7 +22,7 @@ import torch
 
 from aegis_sdc.kernels import triton_gemm as tg
 from aegis_sdc.kernels.gemm_side import SIDE_COLUMNS, SideMatrix
-from aegis_sdc.kernels.weight_sums import weight_sums
+from aegis_sdc.kernels.weight_sums import weight_side_matrices, weight_sides
 from aegis_sdc.ops.triton_replay import TritonGemmCall
 
 
@@ -32,19 +32,27 @@ class DeviceState:
 
     capacity: int = 1024
     pool_slots: int = 4
-    _stats: dict = dataclasses.field(default_factory=dict)  # device → (buffer [cap, 8] int64, next row)
+    # device → [buffer [cap, 8] int64, its rows, their fp64 views, next row]: the views are made with
+    # the buffer, so a checked call takes its slot without a tensor op
+    _stats: dict = dataclasses.field(default_factory=dict)
     _pools: dict = dataclasses.field(default_factory=dict)  # (device, dtype) → CapturePool
     used_pools: list = dataclasses.field(default_factory=list)
     # Counts the guard's evidence reads (step ends and flushes). Whatever is derived from a weight is
     # valid for one epoch only: weights change between steps without a trace (see WeightStats).
     epoch: int = 0
 
-    def stats_slot(self, device: torch.device) -> torch.Tensor:
-        buffer, used = self._stats.get(device, (None, 0))
-        if buffer is None or used >= buffer.shape[0]:
-            buffer, used = torch.zeros(self.capacity, tg.STATS_LEN, dtype=torch.int64, device=device), 0
-        self._stats[device] = (buffer, used + 1)
-        return buffer[used]
+    def stats_slot(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A zeroed evidence slot (int64 [STATS_LEN]) for one checked launch, and its fp64 view."""
+        entry = self._stats.get(device)
+        if entry is None or entry[3] >= self.capacity:
+            # Full (more checked launches in one step than slots): a fresh buffer; the full one stays
+            # referenced by the calls that wrote it until the step's read.
+            buffer = torch.zeros(self.capacity, tg.STATS_LEN, dtype=torch.int64, device=device)
+            rows, rows_f64 = list(buffer.unbind(0)), list(buffer.view(torch.float64).unbind(0))
+            entry = self._stats[device] = [buffer, rows, rows_f64, 0]
+        row = entry[3]
+        entry[3] = row + 1
+        return entry[1][row], entry[2][row]
 
     def pool(self, device: torch.device, dtype: torch.dtype, data_len: int, f32_len: int) -> tg.CapturePool:
         key = (device, dtype)
@@ -60,10 +68,10 @@ class DeviceState:
 
     def end_step(self) -> None:
         """After the step's evidence was read: fresh slots and free pools for the next step."""
-        for device, (buffer, used) in list(self._stats.items()):
-            if used:
-                buffer[:used].zero_()
-                self._stats[device] = (buffer, 0)
+        for entry in self._stats.values():
+            if entry[3]:
+                entry[0][: entry[3]].zero_()
+                entry[3] = 0
         for pool in self.used_pools:
             pool.counter.zero_()
         self.used_pools.clear()
@@ -91,7 +99,8 @@ class WeightStats:
         runs (CUDA, or the interpreter), else two torch reductions. Deterministic either way, so a
         replay recomputes them bit for bit."""
         if w.device.type == "cuda" or tg.INTERPRET:
-            return weight_sums(w)
+            col_sum, row_sum, _, _ = weight_sides(w, sides=False)
+            return col_sum, row_sum
         f64 = torch.float64
         return w.sum(dim=0, dtype=f64), w.sum(dim=1, dtype=f64)
 
@@ -101,8 +110,11 @@ class WeightStats:
         # of the parameter's within one epoch.
         key = (epoch, source.data_ptr(), source._version, w.dtype, tuple(w.shape))
         if key != self._key:
-            col_sum, row_sum = self.compute(w)
-            self._key, self._value = key, (SideMatrix.of(col_sum, w.dtype), SideMatrix.of(row_sum, w.dtype))
+            if w.device.type == "cuda" or tg.INTERPRET:
+                value = weight_side_matrices(w)  # sums and S matrices: two launches
+            else:
+                value = tuple(SideMatrix.of(v, w.dtype) for v in self.compute(w))
+            self._key, self._value = key, value
         return self._value
 
 
@@ -212,7 +224,7 @@ def run(
             clean_l2 = float(stats.view(torch.float64)[tg.ST_ROW_L2SQ]) ** 0.5
             fault = dataclasses.replace(fault, delta=fault.delta * clean_l2)
         plan.injection.fault = fault
-    stats = state.stats_slot(a.device) if check else None
+    stats, stats_f64 = state.stats_slot(a.device) if check else (None, None)
     capture = tg.CAPTURE_NONE
     pool = None
     if check:
@@ -235,6 +247,7 @@ def run(
         row_side=True,
         col_check=col,
         stats=stats,
+        stats_f64=stats_f64,
         counters=counters,
         pool=pool,
         capture=capture,

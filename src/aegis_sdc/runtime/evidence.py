@@ -39,6 +39,10 @@ class Collected:
     gate: torch.Tensor | None = None  # float32 [] on the device: 1 when any check alarmed
     held_found_inf: torch.Tensor | None = None  # the optimizer's own found_inf (GradScaler), restored after
 
+    def nothing_to_judge(self) -> bool:
+        """No check of any kind ran this step (what is read is bookkeeping: nothing can alarm)."""
+        return not (self.records or self.comm_records or self.fp_records or self.attention)
+
     def alarmed_on_host(self) -> bool:
         """Reference-path and attention alarms are known on the host already."""
         return any(r.raw is None and r.alarm for r in self.records) or any(
