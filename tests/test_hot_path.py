@@ -71,6 +71,34 @@ def test_unsampled_calls_never_enter_the_checked_op(tmp_path, monkeypatch):
     assert summary.checks == 2 * 8 * 3 and summary.confirmed == 0
 
 
+def test_a_step_without_checks_is_concluded_after_the_update_is_launched(tmp_path, monkeypatch):
+    # Nothing in such a step can hold the update back, so its bookkeeping (the read, the store rows)
+    # waits until the optimizer has run: the GPU never idles behind it. A checked step still concludes
+    # before the update with this (non-fused) optimizer.
+    from aegis_sdc import guard as guard_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    config = guard_config(tmp_path, sampling=aegis.SamplingConfig(probability=0.0),
+                          thresholds=aegis.ThresholdConfig(calibration_checks=2))  # fmt: skip
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    order = []
+    conclude = guard_module.Guard._conclude
+    monkeypatch.setattr(guard_module.Guard, "_conclude", lambda self, *a, **k: order.append("conclude")
+                        or conclude(self, *a, **k))  # fmt: skip
+    optimizer.register_step_pre_hook(lambda *_: order.append("update"))  # after the guard's pre-hook
+    for _ in range(5):  # 2 calibration steps, then 3 without checks
+        model(torch.randn(16, 32)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    summary = guard.close()
+    assert order[:4] == ["conclude", "update"] * 2  # checked: judged before the update
+    assert order[4:10] == ["update", "conclude"] * 3  # unchecked: after it
+    # 5 GEMMs a step (the first Linear has no dgrad: its input needs no gradient), 2 checked steps
+    assert order.count("conclude") >= 5 and summary.checks == 2 * 5 and summary.confirmed == 0
+
+
 def test_the_store_counts_every_call_and_the_checked_flops(tmp_path):
     model, data, optimizer = small_workload()
     sampling = aegis.SamplingConfig(probability=0.5, seed=1)
