@@ -7,7 +7,8 @@ after calibration (p = 0); protected within a 1% budget; every GEMM checked. Eac
 `protect()` of its own copy of the model (same seed), calibrated before timing; rounds are
 interleaved so that clock and thermal drift hit every config alike. A budget's first plan times
 every site's check once (seconds): the warm-up runs until it is made, and its step's time is
-reported apart (`first_plan_s`). Overheads are ratios of mean step times. Per step: CUDA events around
+reported apart (`first_plan_s`); then through one cycle under that plan, until the budget replans
+with what the plan really cost (the steady state). Overheads are ratios of mean step times. Per step: CUDA events around
 forward, backward and optimizer step (synchronized each step), and the host's own time to enqueue the
 step — a step whose host time exceeds its GPU time is host-bound.
 
@@ -46,6 +47,7 @@ OWN_SHAPE = LlamaConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=32, n_kv
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 CALIBRATION_STEPS = 18  # every site's 16 calibration checks, and two steps to settle
 PLAN_STEPS = 40  # at most this many more warm-up steps while a budget's first plan is not made
+RESCALE_STEPS = 80  # and at most this many under the first plan, until the budget replans (its cycle)
 CONFIGS: dict[str, aegis.SamplingConfig | None] = {
     "unprotected": None,
     "p0": aegis.SamplingConfig(probability=0.0),
@@ -147,6 +149,12 @@ def run_workload(workload: str, args: argparse.Namespace, compiled: bool) -> dic
             extra += 1
             if guard.budget_plan is not None:
                 runner.first_plan_s = time.perf_counter() - step_started
+        # Then through the first cycle under it: its next plan is scaled by what the first one really
+        # cost (runtime/budget.py) — the plan of the steady state.
+        first, more = (guard.budget_plan if guard is not None else None), 0
+        while first is not None and guard.budget_plan is first and more < RESCALE_STEPS:
+            runner.step(batches[more % len(batches)], record=False)
+            more += 1
         print(f"{workload}{' compiled' if compiled else ''} {runner.label}: warm-up "
               f"{time.perf_counter() - started:.1f} s", flush=True)  # fmt: skip
     for r in range(args.rounds):
