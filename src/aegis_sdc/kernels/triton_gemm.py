@@ -276,6 +276,7 @@ def checked_gemm_kernel(
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import warnings  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -429,6 +430,7 @@ def _workspace(device: torch.device, name: str, shape: tuple[int, ...], dtype: t
         buffer = _WORKSPACES[key] = torch.empty(numel, dtype=dtype, device=device)
         for stale in [k for k in _VIEWS if k[:3] == key]:  # views of the buffer it replaces
             del _VIEWS[stale]
+        _LAYOUTS.clear()  # and the layouts holding them (rebuilt at their next call)
     view = _VIEWS[(device, name, dtype, shape)] = buffer[:numel].view(shape)
     return view
 
@@ -538,6 +540,105 @@ def _wide(*ints: int) -> bool:
     return max(ints) >= 2**31 or min(ints) < -(2**31)
 
 
+_EVIDENCE_OPTIONS = {"num_warps": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What a launch of one shape, orientation and set of checks passes besides its operands: the
+    grid, constexprs and variant, the partial-sum buffers and the integers that do not change from
+    call to call. Made once per such key for the training step's launches (`scratch`: the buffers
+    are the shared workspaces) and reused by every call: a checked call assembles only its
+    operands' arguments."""
+
+    grid: tuple[int]
+    constexprs: dict
+    options: dict
+    variant: tuple
+    parts: tuple  # row_part, rsq_part, out_part, col_part, csq_part, rowref, rowones, colref (fillers where absent)
+    results: tuple  # the same, None where absent (GemmLaunch)
+    strides: tuple[int, int, int, int, int]  # stride_a, stride_b, stride_c, data_len, f32_len
+    shape_ints: tuple[int, ...]  # side_all, row_parts, col_parts, M, N, K
+    checked: bool  # evidence is computed (it needs a stats slot and counters)
+    inline: bool  # evidence inside the GEMM launch
+    evidence: tuple[int, dict] | None  # the second launch's programs and constexprs (evidence, by-product)
+    counters: int  # counters the evidence needs
+
+    @classmethod
+    def of(cls, key: tuple, buffer: Callable) -> _Layout:
+        (dev, m, n, k, a_t, b_t, a_dtype, _, _, bias_dtype, row_check, row_side, col_check, capture, evidence,
+         has_byproduct, has_side_out, model, side_all, row_parts, col_parts, cfg, pool, stride_a, stride_b,
+         stride_c) = key  # fmt: skip
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        tiles_m, tiles_n = ceil_div(m, bm), ceil_div(n, bn)
+        row_parts = row_parts or tiles_n
+        col_parts = col_parts or tiles_m
+        if has_side_out and a_dtype != torch.bfloat16:
+            raise ValueError("the kernel writes S(A·1) for bf16 operands only (fp16 needs a scale: SideMatrix.of)")
+        if (has_byproduct or has_side_out) and not row_side:
+            raise ValueError("a by-product needs the row side")
+        if side_all and (has_byproduct or evidence):
+            raise ValueError("a replay of one tile (side_all) computes no evidence or by-product")
+        evidence = evidence and (row_check or col_check)
+        if evidence and row_check and not row_side:
+            raise ValueError("row evidence needs the row side")
+        if capture != CAPTURE_NONE and pool is None:
+            raise ValueError("a capture needs a CapturePool")
+        f32, f64 = torch.float32, torch.float64
+        results = (
+            buffer(dev, "row_part", (tiles_n, m), f32) if row_check else None,
+            buffer(dev, "rsq_part", (tiles_n, m), f32) if row_check else None,
+            buffer(dev, "out_part", (tiles_n, m), f32) if row_check else None,
+            buffer(dev, "col_part", (tiles_m, n), f32) if col_check else None,
+            buffer(dev, "csq_part", (tiles_m, n), f32) if col_check else None,
+            buffer(dev, "rowref", (row_parts, m), f64) if row_side else None,
+            buffer(dev, "rowones", (row_parts, m), f64) if row_side else None,
+            buffer(dev, "colref", (col_parts, n), f64) if col_check else None,
+        )
+        fill = _fillers(dev)
+        parts = tuple(t if t is not None else (fill.f32 if i < 5 else fill.f64) for i, t in enumerate(results))
+        slots, data_len, f32_len = pool if pool is not None else (1, 0, 0)
+        strides = (stride_a, stride_b, stride_c, data_len, f32_len)
+        shape_ints = (int(side_all), row_parts, col_parts, m, n, k)
+        inline = evidence and cfg.inline_evidence
+        constexprs = dict(
+            A_T=a_t,
+            B_T=b_t,
+            HAS_BIAS=bias_dtype is not None,
+            ROW_CHECK=row_check,
+            ROW_SIDE=row_side,
+            COL_CHECK=col_check,
+            FAULT=model,
+            EVIDENCE=inline,
+            CAPTURE=capture,
+            POOL=slots,
+            DT=_TL_DTYPES[a_dtype],
+            UPCAST=INTERPRET,
+            BM=bm,
+            BN=bn,
+            BK=bk,
+            GROUP_M=cfg.group_m,
+        )  # fmt: skip (the kernel's constexpr parameters, in their order)
+        second = None
+        separate = evidence and not inline
+        if separate or has_byproduct or has_side_out:
+            checks = (row_check, col_check) if separate else (False, False)
+            blocks = (tiles_m if checks[0] or has_byproduct or has_side_out else 0) + (tiles_n if checks[1] else 0)
+            second = (blocks, dict(A_T=a_t, B_T=b_t, ROW_CHECK=checks[0], COL_CHECK=checks[1],
+                                   CAPTURE=capture if separate else CAPTURE_NONE, POOL=slots,
+                                   BYPRODUCT=has_byproduct, SIDE_OUT=has_side_out, DT=_TL_DTYPES[a_dtype], BM=bm,
+                                   BN=bn))  # fmt: skip
+        # fault row/column/mask are in the i32 range by construction (indices, a 32-bit mask)
+        variant = (dev, *key[6:10], _wide(*strides, *shape_ints))
+        return cls((min(num_sms(dev), tiles_m * tiles_n),), constexprs,
+                   dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), variant, parts, results, strides,
+                   shape_ints, evidence, inline, second, counters_needed(m, n, cfg))  # fmt: skip
+
+
+_LAYOUTS: dict[tuple, _Layout] = {}
+MAX_LAYOUTS = 4096
+
+
 @dataclasses.dataclass
 class GemmLaunch:
     """What one launch produced besides C (partials are per tile, sides per K slice; see the module
@@ -622,134 +723,53 @@ def launch_checked_gemm(
     k = a.shape[0] if a_t else a.shape[1]
     cfg = cfg or config_for(m, n, k)
     dev = a.device
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    tiles_m, tiles_n = ceil_div(m, bm), ceil_div(n, bn)
-    row_parts = row_parts or tiles_n
-    col_parts = col_parts or tiles_m
-    if row_side and cvec is None and c_side is None:
-        raise ValueError("the row side needs c = B·1 (cvec or c_side)")
-    if col_check and u1 is None and u_side is None:
-        raise ValueError("a column check needs u1 = 1ᵀA (u1 or u_side)")
     if row_side and c_side is None:
+        if cvec is None:
+            raise ValueError("the row side needs c = B·1 (cvec or c_side)")
         c_side = SideMatrix.of(cvec, a.dtype)
     if col_check and u_side is None:
+        if u1 is None:
+            raise ValueError("a column check needs u1 = 1ᵀA (u1 or u_side)")
         u_side = SideMatrix.of(u1, a.dtype)
-    if byproduct_side is not None and a.dtype != torch.bfloat16:
-        raise ValueError("the kernel writes S(A·1) for bf16 operands only (fp16 needs a scale: SideMatrix.of)")
-    if (byproduct is not None or byproduct_side is not None) and not row_side:
-        raise ValueError("a by-product needs the row side")
-    if side_all and (byproduct is not None or evidence):
-        raise ValueError("a replay of one tile (side_all) computes no evidence or by-product")
-    f32, f64 = torch.float32, torch.float64
-    buffer = _workspace if scratch else _fresh
-    row_part = buffer(dev, "row_part", (tiles_n, m), f32) if row_check else None
-    rsq_part = buffer(dev, "rsq_part", (tiles_n, m), f32) if row_check else None
-    out_part = buffer(dev, "out_part", (tiles_n, m), f32) if row_check else None
-    col_part = buffer(dev, "col_part", (tiles_m, n), f32) if col_check else None
-    csq_part = buffer(dev, "csq_part", (tiles_m, n), f32) if col_check else None
-    rowref = buffer(dev, "rowref", (row_parts, m), f64) if row_side else None
-    rowones = buffer(dev, "rowones", (row_parts, m), f64) if row_side else None
-    colref = buffer(dev, "colref", (col_parts, n), f64) if col_check else None
-    evidence = evidence and (row_check or col_check)
-    if evidence and (stats is None or counters is None):
-        raise ValueError("evidence needs a zeroed stats slot and counters")
-    if evidence and counters.numel() < counters_needed(m, n, cfg):
-        raise ValueError(f"evidence needs {counters_needed(m, n, cfg)} counters, got {counters.numel()}")
-    if evidence and row_check and not row_side:
-        raise ValueError("row evidence needs the row side")
-    if capture != CAPTURE_NONE and pool is None:
-        raise ValueError("a capture needs a CapturePool")
+    model, frow, fcol, fdelta, fmask = fault if fault is not None else (FAULT_NONE, -1, -1, 0.0, 0)
+    key = (dev, m, n, k, a_t, b_t, a.dtype, b.dtype, out.dtype, None if bias is None else bias.dtype, row_check,
+           row_side, col_check, capture, evidence, byproduct is not None, byproduct_side is not None, model,
+           bool(side_all), row_parts, col_parts, cfg, None if pool is None else (pool.slots, *pool.data.shape[1:],
+           *pool.f32.shape[1:]), a.stride(0), b.stride(0), out.stride(0))  # fmt: skip
+    layout = _LAYOUTS.get(key) if scratch else None
+    if layout is None:
+        layout = _Layout.of(key, _workspace if scratch else _fresh)
+        if scratch:
+            if len(_LAYOUTS) >= MAX_LAYOUTS:  # shapes that keep changing (variable lengths): start over
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = layout
+    if layout.checked:
+        if stats is None or counters is None:
+            raise ValueError("evidence needs a zeroed stats slot and counters")
+        if counters.numel() < layout.counters:
+            raise ValueError(f"evidence needs {layout.counters} counters, got {counters.numel()}")
     fill = _fillers(dev)
-    dummy, dummy64 = fill.f32, fill.f64
     if stats is None:
         stats, stats_f64 = fill.stats, fill.stats_f64
     elif stats_f64 is None:
         stats_f64 = stats.view(torch.float64)
     no_side = fill.sides[a.dtype]
-    model, frow, fcol, fdelta, fmask = fault if fault is not None else (FAULT_NONE, -1, -1, 0.0, 0)
-    grid = (min(num_sms(dev), tiles_m * tiles_n),)
-    data_len, f32_len = (pool.data.shape[1], pool.f32.shape[1]) if pool is not None else (0, 0)
-    inline = evidence and cfg.inline_evidence
-    pool_counter = pool.counter if pool is not None else fill.i32
-    ints = (a.stride(0), b.stride(0), out.stride(0), data_len, f32_len, int(frow), int(fcol), int(fmask),
-            int(side_all), row_parts, col_parts, m, n, k)  # fmt: skip
-    variant = (dev, a.dtype, b.dtype, out.dtype, None if bias is None else bias.dtype, _wide(*ints))
-    args = (
-        a,
-        b,
-        out,
-        bias if bias is not None else dummy,
-        c_side.matrix if c_side is not None else no_side,
-        u_side.matrix if u_side is not None else no_side,
-        c_side.scale if c_side is not None else dummy,
-        u_side.scale if u_side is not None else dummy,
-        row_part if row_part is not None else dummy,
-        rsq_part if rsq_part is not None else dummy,
-        out_part if out_part is not None else dummy,
-        col_part if col_part is not None else dummy,
-        csq_part if csq_part is not None else dummy,
-        rowref if rowref is not None else dummy64,
-        rowones if rowones is not None else dummy64,
-        colref if colref is not None else dummy64,
-        counters if counters is not None else fill.i32,
-        stats,
-        stats_f64,
-        pool.data if pool is not None else out,
-        pool.f32 if pool is not None else dummy64,
-        pool_counter,
-        float(row_threshold),
-        float(col_threshold),
-        *ints[:7],
-        float(fdelta),
-        *ints[7:],
-    )  # fmt: skip (the kernel's parameters, in their order: fault_delta sits between fault_col and fault_mask)
-    constexprs = dict(
-        A_T=a_t,
-        B_T=b_t,
-        HAS_BIAS=bias is not None,
-        ROW_CHECK=row_check,
-        ROW_SIDE=row_side,
-        COL_CHECK=col_check,
-        FAULT=model,
-        EVIDENCE=inline,
-        CAPTURE=capture,
-        POOL=pool.slots if pool is not None else 1,
-        DT=_TL_DTYPES[a.dtype],
-        UPCAST=INTERPRET,
-        BM=bm,
-        BN=bn,
-        BK=bk,
-        GROUP_M=cfg.group_m,
-    )  # fmt: skip (the kernel's constexpr parameters, in their order)
-    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _launch(checked_gemm_kernel, grid, args, constexprs, options, variant)
-    separate = evidence and not inline
-    wants_byproduct = byproduct is not None or byproduct_side is not None
-    if separate or wants_byproduct:
-        checks = (row_check, col_check) if separate else (False, False)
-        blocks = (tiles_m if checks[0] or wants_byproduct else 0) + (tiles_n if checks[1] else 0)
-        args = (
-            a, b,
-            row_part if row_part is not None else dummy,
-            rsq_part if rsq_part is not None else dummy,
-            out_part if out_part is not None else dummy,
-            col_part if col_part is not None else dummy,
-            csq_part if csq_part is not None else dummy,
-            rowref if rowref is not None else dummy64,
-            rowones if rowones is not None else dummy64,
-            colref if colref is not None else dummy64,
-            byproduct if byproduct is not None else dummy64,
-            byproduct_side if byproduct_side is not None else out,
-            counters if counters is not None else pool_counter,
-            stats, stats_f64,
-            pool.data if pool is not None else out,
-            pool.f32 if pool is not None else dummy64,
-            pool_counter,
-            float(row_threshold), float(col_threshold), m, n, k, a.stride(0), b.stride(0), data_len, f32_len,
-        )  # fmt: skip
-        constexprs = dict(A_T=a_t, B_T=b_t, ROW_CHECK=checks[0], COL_CHECK=checks[1], CAPTURE=capture if separate
-                          else CAPTURE_NONE, POOL=pool.slots if pool is not None else 1,
-                          BYPRODUCT=byproduct is not None, SIDE_OUT=byproduct_side is not None,
-                          DT=_TL_DTYPES[a.dtype], BM=bm, BN=bn)  # fmt: skip
-        _launch(evidence_kernel, (blocks,), args, constexprs, dict(num_warps=4), variant)
-    return GemmLaunch(row_part, rsq_part, out_part, col_part, csq_part, rowref, rowones, colref, byproduct)
+    pool_data, pool_f32, pool_counter = (pool.data, pool.f32, pool.counter) if pool is not None else (out, fill.f64,
+                                                                                                      fill.i32)  # fmt: skip
+    thresholds = (float(row_threshold), float(col_threshold))
+    # the kernel's parameters, in their order (fault_delta sits between fault_col and fault_mask)
+    args = (a, b, out, bias if bias is not None else fill.f32, c_side.matrix if c_side is not None else no_side,
+            u_side.matrix if u_side is not None else no_side, c_side.scale if c_side is not None else fill.f32,
+            u_side.scale if u_side is not None else fill.f32, *layout.parts,
+            counters if counters is not None else fill.i32, stats, stats_f64, pool_data, pool_f32, pool_counter,
+            *thresholds, *layout.strides, int(frow), int(fcol), float(fdelta), int(fmask),
+            *layout.shape_ints)  # fmt: skip
+    _launch(checked_gemm_kernel, layout.grid, args, layout.constexprs, layout.options, layout.variant)
+    if layout.evidence is not None:
+        blocks, constexprs = layout.evidence
+        args = (a, b, *layout.parts, byproduct if byproduct is not None else fill.f64,
+                byproduct_side if byproduct_side is not None else out,
+                counters if counters is not None else pool_counter, stats, stats_f64, pool_data, pool_f32,
+                pool_counter, *thresholds, m, n, k, *layout.strides[:2], *layout.strides[3:])  # fmt: skip
+        _launch(evidence_kernel, (blocks,), args, constexprs, _EVIDENCE_OPTIONS, layout.variant)
+    return GemmLaunch(*layout.results, byproduct)

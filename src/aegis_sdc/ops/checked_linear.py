@@ -111,7 +111,7 @@ class LinearHooks:
     backend: str = "auto"
     state: triton_linear.DeviceState | None = None
     weight_stats: triton_linear.WeightStats = field(default_factory=triton_linear.WeightStats)
-    counters: dict = field(default_factory=dict)  # GEMM kind → int32 counters of the Triton kernel
+    counters: dict = field(default_factory=dict)  # GEMM kind → (last shape, int32 counters of the Triton kernel)
     tracer: PlanTracer = field(default_factory=PlanTracer)
     plan: StepPlanLike | None = None  # the guard's step plan; this Linear's index in it
     index: int = 0
@@ -171,12 +171,15 @@ class LinearHooks:
 
     def counters_for(self, kind: str, m: int, n: int, k: int, device: torch.device) -> torch.Tensor:
         """Zeroed int32 counters for a checked C [m, n] = A [m, k]·B launch (left zero by the kernel)."""
-        tg = triton_linear.tg
-        need = tg.counters_needed(m, n, tg.config_for(m, n, k))
+        shape = (m, n, k, device)
         current = self.counters.get(kind)
-        if current is None or current.numel() < need or current.device != device:
-            current = self.counters[kind] = torch.zeros(need, dtype=torch.int32, device=device)
-        return current
+        if current is None or current[0] != shape:  # a new shape: enough counters for it
+            tg = triton_linear.tg
+            need = tg.counters_needed(m, n, tg.config_for(m, n, k))
+            if current is None or current[1].numel() < need or current[1].device != device:
+                current = (shape, torch.zeros(need, dtype=torch.int32, device=device))
+            self.counters[kind] = current = (shape, current[1])
+        return current[1]
 
 
 def run_gemm(

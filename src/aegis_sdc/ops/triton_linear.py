@@ -16,6 +16,7 @@ u1 = 1ᵀA, a pass over the activation before the launch: that is its cost.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -180,6 +181,11 @@ def _fault_args(fault) -> tuple | None:
     return (tg.FAULT_BITFLIP, fault.row, fault.col, 0.0, mask)
 
 
+@functools.lru_cache(maxsize=4096)
+def _capture_layout(m: int, n: int, k: int, capture: int, cfg: tg.TritonGemmConfig) -> tuple[int, int]:
+    return tg.CapturePool.layout(m, n, k, capture, cfg)
+
+
 def run(
     sensor: Any,
     plan: Any,
@@ -231,7 +237,7 @@ def run(
         # A column check localizes both coordinates: a tile. A row check captures the row block
         # against the whole of B (a forward's or dgrad's B is the weight, kept by reference).
         capture = tg.CAPTURE_TILE if col else tg.CAPTURE_ROWS
-        data_len, f32_len = tg.CapturePool.layout(m, n, k, capture, cfg)
+        data_len, f32_len = _capture_layout(m, n, k, capture, cfg)
         pool = state.pool(a.device, out.dtype, data_len, f32_len)
     thresholds = sensor.thresholds(m, k, n) if check else (float("inf"), float("inf"))
     result = tg.launch_checked_gemm(
