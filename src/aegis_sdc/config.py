@@ -326,6 +326,8 @@ class GuardConfig:
       device flag that holds back the update of a step whose checks alarmed, judging runs while the
       GPU works, and a held-back update is applied once its verdicts allow it. Off: the step end
       waits for the evidence before the optimizer runs (one host read per step, GPU idle meanwhile).
+      Either way a step that checked nothing is concluded after the optimizer step: nothing in it
+      can hold an update back.
     """
 
     checksum: ChecksumConfig = field(default_factory=ChecksumConfig)
