@@ -156,3 +156,47 @@ def test_sigkill_while_writing_loses_no_committed_incident(tmp_path):
     Store(path).close()  # the writer reopens it cleanly
     rows = read_incidents(tmp_path)
     assert len(rows) == len(stored) and json.dumps(rows)
+
+
+def test_clean_step_rows_are_written_off_the_training_thread_and_incidents_before_it_goes_on(tmp_path, monkeypatch):
+    # A clean step's rows go to the writer thread: record() returns while the (slowed) write runs.
+    # A step with an incident returns only once it is committed. close() leaves nothing queued.
+    import threading
+    import time
+
+    import torch
+    from tests.helpers import guard_config
+
+    import aegis_sdc as aegis
+    from aegis_sdc.runtime.record import StepReport
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    guard = aegis.protect(model, config=guard_config(tmp_path))
+    recorder, writes = guard.step_recorder, []
+    slow = recorder.store.write_step_stats
+
+    def write_step_stats(rows):
+        time.sleep(0.3)
+        writes.append(threading.current_thread().name)
+        slow(rows)
+
+    monkeypatch.setattr(recorder.store, "write_step_stats", write_step_stats)
+    started = time.perf_counter()
+    recorder.record(StepReport(step=7), [0], backlog=0)
+    assert time.perf_counter() - started < 0.2 and writes == []  # queued, not written yet
+    recorder.writer.drain()
+    assert writes == ["aegis-store-writer"]
+    site = guard.sensors[0].site
+    evidence = Evidence(site, 8, 0, Channel.ROW, 80.0, 20.0, 5, 1e-4, Tile(0, 8, 0, 8), (Channel.ROW,))
+    verdict = Verdict(1, site, 8, VerdictKind.CONFIRMED_SDC, WrongExecution.ORIGINAL)
+    incident = Incident(1, site, 8, RankIdentity("host-a", rank=0, device="cpu"), evidence, verdict)
+    started = time.perf_counter()
+    report = StepReport(step=8, alarms=[VTask(1, evidence, None)], verdicts=[verdict], incidents=[incident])
+    recorder.record(report, [0], backlog=0)
+    assert time.perf_counter() - started >= 0.3 and len(writes) == 2  # committed before record() returned
+    assert [i["step"] for i in read_incidents(tmp_path / "run")] == [8]
+    recorder.record(StepReport(step=9), [0], backlog=0)
+    guard.close()
+    with sqlite3.connect(rank_db_path(tmp_path / "run", 0)) as conn:
+        steps = {r[0] for r in conn.execute("SELECT step FROM steps")}
+    assert {7, 8, 9} <= steps  # the last one written by the writer before close() returned

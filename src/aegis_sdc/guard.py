@@ -503,6 +503,7 @@ class Guard:
             restore_linears(self._swaps)
             if self.dist is not None:
                 self.dist.close()
+            self.step_recorder.close()  # every queued step row committed, on this thread from now on
             summary = self.summary()
             self.store.finish_run(summary.to_dict())
             self.store.close()

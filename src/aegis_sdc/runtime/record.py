@@ -4,10 +4,19 @@ Per step: the sites first seen, events, rank-outlier warnings (each rank's store
 it), the step row (checks, alarms, verifications, backlog, and how many of the step's GEMM FLOPs were
 checked), one statistics row per GEMM site that ran, the vTasks, verdicts, incidents and the injected
 faults. A step with an incident commits durably (synchronous to disk) before any policy acts.
+
+The writes run on a thread of their own (`StoreWriter`): the training thread builds the step's rows
+and goes on. A step that has more than its step and statistics rows to write (new sites, events,
+vTasks, verdicts, incidents, injected faults: rare) waits for its commit, so an incident is on disk
+before the response acts and no object is read by the writer after the training thread moves on.
+A process killed meanwhile loses at most the statistics rows of the steps still queued.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aegis_sdc.distributed.outlier import OutlierWarning
@@ -38,6 +47,57 @@ class StepFlops:
     checked: float  # over the checked ones
 
 
+class StoreWriter:
+    """Runs store writes in order on a daemon thread; `submit(..., wait=True)` returns once written.
+    A write that failed is raised on the training thread at the next submit, `drain` or `close`."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="aegis-store-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            write = self._queue.get()
+            try:
+                if write is None:
+                    return
+                if self._error is None:  # after a failure nothing more is written (the order would break)
+                    write()
+            except BaseException as error:  # handed to the training thread
+                self._error = error
+            finally:
+                self._queue.task_done()
+
+    def submit(self, write: Callable[[], None], *, wait: bool = False) -> None:
+        self._raise_pending()
+        if not self._thread.is_alive():  # closed: write here
+            write()
+            return
+        self._queue.put(write)
+        if wait:
+            self.drain()
+
+    def drain(self) -> None:
+        """Wait until every submitted write is done."""
+        if self._thread.is_alive():
+            self._queue.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
 class StepRecorder:
     def __init__(self, store: Store, registry: SiteRegistry, injector: FaultInjector, rank: int) -> None:
         self.store = store
@@ -45,31 +105,44 @@ class StepRecorder:
         self.injector = injector
         self.rank = rank
         self._injections_written = 0
+        self.writer = StoreWriter(store)
 
     def record(self, report: StepReport, calls: list[int], *, backlog: int) -> StepFlops:
         """Commit `report`; `calls` are the calls of each Linear in the step (checked or not)."""
-        step, store = report.step, self.store
-        with store.transaction(durable=bool(report.incidents)):
-            new_sites = self.registry.take_unwritten()
-            if new_sites:
-                store.write_sites(new_sites)
-            for kind, message, site_id in report.events:
-                store.write_event(kind, message, step=step, site_id=site_id)
-            for warning in report.warnings:
-                if warning.store_rank == self.rank:
-                    store.write_event("rank_outlier", warning.describe(), step=warning.step,
-                                      site_id=warning.site.id, data=warning.to_dict())  # fmt: skip
-            flops = self._write_gemm_sites(report, calls, backlog)
-            for task in report.alarms:
-                store.write_vtask(task)
-            for verdict in report.verdicts:
-                self._write_verdict(verdict, step)
-            for incident in report.incidents:
-                store.write_incident(incident)
-            self._write_injections()
+        step_row, stats_rows, flops = self._gemm_site_rows(report, calls, backlog)
+        new_sites = self.registry.take_unwritten()
+        rare = bool(new_sites or report.events or report.warnings or report.alarms or report.verdicts
+                    or report.incidents or len(self.injector.log) > self._injections_written)  # fmt: skip
+
+        def write() -> None:
+            store = self.store
+            with store.transaction(durable=bool(report.incidents)):
+                if new_sites:
+                    store.write_sites(new_sites)
+                for kind, message, site_id in report.events:
+                    store.write_event(kind, message, step=report.step, site_id=site_id)
+                for warning in report.warnings:
+                    if warning.store_rank == self.rank:
+                        store.write_event("rank_outlier", warning.describe(), step=warning.step,
+                                          site_id=warning.site.id, data=warning.to_dict())  # fmt: skip
+                store.write_step(report.step, **step_row)
+                store.write_step_stats(stats_rows)
+                for task in report.alarms:
+                    store.write_vtask(task)
+                for verdict in report.verdicts:
+                    self._write_verdict(verdict, report.step)
+                for incident in report.incidents:
+                    store.write_incident(incident)
+                self._write_injections()
+
+        self.writer.submit(write, wait=rare)
         return flops
 
-    def _write_gemm_sites(self, report: StepReport, calls: list[int], backlog: int) -> StepFlops:
+    def close(self) -> None:
+        """Every submitted write committed; the writer stopped (later writes run on the caller's thread)."""
+        self.writer.close()
+
+    def _gemm_site_rows(self, report: StepReport, calls: list[int], backlog: int) -> tuple[dict, list, StepFlops]:
         rows = []
         total = checked = 0.0
         for sensor in self.registry.gemm:
@@ -84,12 +157,10 @@ class StepRecorder:
                     _finite(sensor.row.current), _finite(sensor.col.current) if sensor.col_check else None,
                     int(sensor.row.calibrating),
                 ))  # fmt: skip
-        self.store.write_step(
-            report.step, checks=report.checks, alarms=len(report.alarms), verified=len(report.verdicts),
-            backlog=backlog, verify_ms=report.verify_ms, gemm_flops=total, checked_flops=checked,
-        )  # fmt: skip
-        self.store.write_step_stats(rows)
-        return StepFlops(total, checked)
+        step_row = dict(checks=report.checks, alarms=len(report.alarms), verified=len(report.verdicts),
+                        backlog=backlog, verify_ms=report.verify_ms, gemm_flops=total,
+                        checked_flops=checked)  # fmt: skip
+        return step_row, rows, StepFlops(total, checked)
 
     def _write_verdict(self, verdict: Verdict, step: int) -> None:
         store = self.store

@@ -106,7 +106,9 @@ def rank_db_path(run_dir: str | os.PathLike, rank: int) -> Path:
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, timeout=30.0, isolation_level=None)  # explicit transactions only
+    # explicit transactions only; the guard writes from its writer thread (runtime/record.py), one
+    # thread at a time
+    conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
