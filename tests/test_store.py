@@ -200,3 +200,30 @@ def test_clean_step_rows_are_written_off_the_training_thread_and_incidents_befor
     with sqlite3.connect(rank_db_path(tmp_path / "run", 0)) as conn:
         steps = {r[0] for r in conn.execute("SELECT step FROM steps")}
     assert {7, 8, 9} <= steps  # the last one written by the writer before close() returned
+
+
+def test_a_script_that_ends_without_close_commits_what_it_queued(tmp_path):
+    # The writer thread is a daemon: at interpreter exit it is drained (atexit), so the last steps of a
+    # script that never calls Guard.close() are in the store.
+    script = f"""
+import torch, aegis_sdc as aegis
+from tests.helpers import guard_config
+from pathlib import Path
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+guard = aegis.protect(model, optimizer=optimizer, config=guard_config(Path({str(tmp_path)!r})))
+slow = guard.store.write_step_stats
+def write_step_stats(rows):
+    import time; time.sleep(0.2); slow(rows)
+guard.store.write_step_stats = write_step_stats
+for _ in range(5):
+    model(torch.randn(4, 8)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120)
+    with sqlite3.connect(rank_db_path(tmp_path / "run", 0)) as conn:
+        steps = [r[0] for r in conn.execute("SELECT step FROM steps ORDER BY step")]
+        stats = conn.execute("SELECT COUNT(DISTINCT step) FROM step_stats").fetchone()[0]
+    assert steps == [0, 1, 2, 3, 4] and stats == 5

@@ -9,11 +9,13 @@ The writes run on a thread of their own (`StoreWriter`): the training thread bui
 and goes on. A step that has more than its step and statistics rows to write (new sites, events,
 vTasks, verdicts, incidents, injected faults: rare) waits for its commit, so an incident is on disk
 before the response acts and no object is read by the writer after the training thread moves on.
-A process killed meanwhile loses at most the statistics rows of the steps still queued.
+A process killed meanwhile loses at most the statistics rows of the steps still queued; one that
+exits without `Guard.close()` is drained at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections.abc import Callable
@@ -57,6 +59,9 @@ class StoreWriter:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="aegis-store-writer", daemon=True)
         self._thread.start()
+        # A script that ends without `Guard.close()` still commits what it queued: at interpreter
+        # exit the daemon thread is still running when atexit handlers run.
+        atexit.register(self._finish_at_exit)
 
     def _run(self) -> None:
         while True:
@@ -90,7 +95,13 @@ class StoreWriter:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        atexit.unregister(self._finish_at_exit)
         self._raise_pending()
+
+    def _finish_at_exit(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=30.0)
 
     def _raise_pending(self) -> None:
         error, self._error = self._error, None
