@@ -563,6 +563,7 @@ class _Layout:
     inline: bool  # evidence inside the GEMM launch
     evidence: tuple[int, dict] | None  # the second launch's programs and constexprs (evidence, by-product)
     counters: int  # counters the evidence needs
+    fill: _Fillers  # the device's fillers for absent tensors
 
     @classmethod
     def of(cls, key: tuple, buffer: Callable) -> _Layout:
@@ -632,7 +633,7 @@ class _Layout:
         variant = (dev, *key[6:10], _wide(*strides, *shape_ints))
         return cls((min(num_sms(dev), tiles_m * tiles_n),), constexprs,
                    dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), variant, parts, results, strides,
-                   shape_ints, evidence, inline, second, counters_needed(m, n, cfg))  # fmt: skip
+                   shape_ints, evidence, inline, second, counters_needed(m, n, cfg), fill)  # fmt: skip
 
 
 _LAYOUTS: dict[tuple, _Layout] = {}
@@ -748,7 +749,7 @@ def launch_checked_gemm(
             raise ValueError("evidence needs a zeroed stats slot and counters")
         if counters.numel() < layout.counters:
             raise ValueError(f"evidence needs {layout.counters} counters, got {counters.numel()}")
-    fill = _fillers(dev)
+    fill = layout.fill
     if stats is None:
         stats, stats_f64 = fill.stats, fill.stats_f64
     elif stats_f64 is None:
