@@ -46,6 +46,17 @@ def variants(case: Case) -> dict:
     }
 
 
+def _variant_of(compiled) -> str:
+    """The constexprs that tell a compiled variant apart (which checks, tile), as far as Triton shows them."""
+    try:
+        names = compiled.src.fn.arg_names
+        constants = {names[key[0]]: value for key, value in compiled.src.constants.items()}
+        wanted = ("ROW_CHECK", "ROW_SIDE", "COL_CHECK", "EVIDENCE", "BYPRODUCT", "SIDE_OUT", "BM", "BN", "A_T")
+        return " ".join(f"{name}={constants[name]}" for name in wanted if name in constants)
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return "?"
+
+
 def profile_host() -> None:
     """Where the host time of a launch goes: cProfile over 300 queued launches of two variants."""
     import cProfile
@@ -95,8 +106,11 @@ def main() -> None:
     kernels = []
     for device_cache in tg.checked_gemm_kernel.device_caches.values():
         for compiled in device_cache[0].values():
-            kernels.append({key: getattr(compiled, key, None) for key in ("n_regs", "n_spills", "shared")})
-    print("kernels (regs, spills, shared):", [(x["n_regs"], x["n_spills"], x["shared"]) for x in kernels], flush=True)
+            entry = {key: getattr(compiled, key, None) for key in ("n_regs", "n_spills", "shared")}
+            entry["variant"] = _variant_of(compiled)
+            kernels.append(entry)
+    for entry in kernels:
+        print(f"kernel regs {entry['n_regs']} spills {entry['n_spills']}: {entry['variant']}", flush=True)
     write_result(args.out, gpu_environment(), rows, kernels=kernels)
 
 

@@ -226,38 +226,46 @@ def test_a_checked_gemm_allocates_only_its_output(tmp_path):
         torch.nn.functional.linear(x, linear.weight)
         plain = torch.cuda.memory_stats()["allocation.all.allocated"] - before
     assert checked == plain == 1
+    # In training the forward also writes X·1 for its wgrad: into the Linear's buffer for its first
+    # call of a step, made at the first such call and reused by the next steps' first calls.
+    x.requires_grad_(True)
+    linear(x)
+    guard.step()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    linear(x)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - before == 1
     guard.close()
 
 
 @pytest.mark.gpu
 def test_a_checked_gemm_is_the_gemm_and_its_evidence(tmp_path):
-    # A checked forward launches the checked GEMM (reference side and partials inside it) and its
-    # evidence kernel (block sums, threshold compare, capture), nothing else; with the evidence inside
-    # the GEMM (`inline_evidence`, 2–17% slower on the H200) it is one launch. The weight's sums are
-    # taken once per weight and step, by the call that first needs them.
+    # A checked forward is one launch: the checked GEMM, its reference side, partials, evidence
+    # (block sums, threshold compare, capture) and the by-product X·1 for the wgrad all inside it.
+    # With `inline_evidence=False` the evidence and by-product take a second launch. The weight's
+    # sums are taken once per weight and step, by the call that first needs them.
     import dataclasses as dc
 
     from aegis_sdc.kernels import triton_gemm as tg
 
     guard, linear, x = _calibrated_linear(tmp_path)
+    x.requires_grad_(True)  # a wgrad follows: the forward writes the by-product
 
     def kernels_of_one_call() -> list[str]:
-        with torch.no_grad():
-            linear(x)  # this step's weight sums, the variant compiled
+        linear(x)  # this step's weight sums, the variant compiled
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            linear(x)
             torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                linear(x)
-                torch.cuda.synchronize()
         return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
     kernels = kernels_of_one_call()
-    assert len(kernels) == 2 and "checked_gemm_kernel" in kernels[0] and "evidence_kernel" in kernels[1], kernels
-    tg.set_config(dc.replace(tg.config_for(x.shape[0], linear.weight.shape[0], x.shape[1]), inline_evidence=True))
+    assert len(kernels) == 1 and "checked_gemm_kernel" in kernels[0], kernels
+    tg.set_config(dc.replace(tg.config_for(x.shape[0], linear.weight.shape[0], x.shape[1]), inline_evidence=False))
     try:
         kernels = kernels_of_one_call()
     finally:
         tg.set_config(None)
-    assert len(kernels) == 1 and "checked_gemm_kernel" in kernels[0], kernels
+    assert len(kernels) == 2 and "checked_gemm_kernel" in kernels[0] and "evidence_kernel" in kernels[1], kernels
     guard.close()
 
 

@@ -198,6 +198,37 @@ def test_inline_and_separate_evidence_agree(kind):
     assert torch.equal(call1.pool.f32[0], call2.pool.f32[0]) and torch.equal(call1.pool.data[0], call2.pool.data[0])
 
 
+@pytest.mark.parametrize("checked", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_byproduct_is_the_same_whoever_finishes_it(checked, dtype):
+    # A·1 (and, for bf16 operands, its S) for a later wgrad check: summed by the GEMM's own programs
+    # when a row block completes (inline), or by the second launch, in the same slice order — so the
+    # same bits — and within an fp32 chain's bound of the exact row sums (each slice is one fp32 chain
+    # of exact products of A with the ones column; the slices are summed in fp64).
+    m, k, n = 64, 80, 96
+    a, b, flags, logical = orientation("fwd", m, k, n, dtype, seed=7)
+    A64 = logical[0].double().cpu()
+    got = []
+    for inline in (True, False):
+        cfg = dataclasses.replace(tg.default_config(), inline_evidence=inline)
+        out = torch.empty(m, n, dtype=dtype, device=DEVICE)
+        vec = torch.full((m,), float("nan"), dtype=torch.float64, device=DEVICE)
+        side = torch.zeros(m, 16, dtype=dtype, device=DEVICE) if dtype == torch.bfloat16 else None
+        counters = torch.zeros(tg.counters_needed(m, n, cfg), dtype=torch.int32, device=DEVICE)
+        stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=DEVICE) if checked else None
+        tg.launch_checked_gemm(
+            a, b, out, a_t=flags[0], b_t=flags[1], cvec=logical[1].double().sum(1), row_check=checked, row_side=True,
+            stats=stats, counters=counters, byproduct=vec, byproduct_side=side, cfg=cfg,
+        )  # fmt: skip
+        assert counters.abs().sum() == 0  # left zero for the next launch
+        got.append((vec.cpu(), None if side is None else side.cpu()))
+    (vec1, side1), (vec2, side2) = got
+    assert torch.equal(vec1, vec2) and (side1 is None or torch.equal(side1, side2))
+    if dtype == torch.float16 or torch.cuda.is_available():  # bf16 arithmetic is wrong under the interpreter
+        exact = A64.sum(1)
+        assert torch.all((vec1 - exact).abs() <= k * U32 * A64.abs().sum(1) + 1e-30)
+
+
 def test_nonfinite_operands_raise_the_nonfinite_flag():
     a, b, flags, logical = orientation("fwd", 64, 48, 96, torch.float32)
     a[5, 3] = float("nan")
@@ -299,6 +330,26 @@ def test_a_weights_sums_and_side_matrices_come_from_two_deterministic_launches(d
             assert bool((left <= vec.abs() * 2.0**-23 + 2.0**-133).all())
         fwd, dgrad = weight_side_matrices(w)
         assert torch.equal(fwd.matrix, s_col) and torch.equal(dgrad.vec, row_sum)
+
+
+def test_a_group_of_weights_gets_the_sums_each_would_get_alone():
+    # One pair of launches for the weights of one shape (a step's active Linears): each weight's sums
+    # and S are bit for bit those of its own launches (same blocks, same part order), in its slot.
+    from aegis_sdc.kernels.weight_sums import GroupSums
+
+    g = torch.Generator().manual_seed(11)
+    weights = [(torch.randn(40, 70, generator=g) * 3).to(torch.bfloat16).to(DEVICE) for _ in range(3)]
+    group = GroupSums.empty(4, 40, 70, torch.device(DEVICE))
+    group.s_row.zero_()
+    slots = {0: 3, 2: 1}  # weights 0 and 2 are active; slots 0 and 2 stay untouched
+    table = torch.tensor([[weights[i].data_ptr(), slot] for i, slot in slots.items()], dtype=torch.int64)
+    group.compute(weights[0], table.to(DEVICE))
+    for i, slot in slots.items():
+        col_sum, row_sum, s_col, s_row = weight_sides(weights[i])
+        mine = group.buffers(slot)
+        assert torch.equal(mine.col_sum, col_sum) and torch.equal(mine.row_sum, row_sum)
+        assert torch.equal(mine.s_col, s_col) and torch.equal(mine.s_row, s_row)
+    assert not group.s_row[0].any() and not group.s_row[2].any()
 
 
 def test_integer_arguments_that_need_64_bits_are_a_variant_of_their_own():

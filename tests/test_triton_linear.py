@@ -12,7 +12,7 @@ from torch import nn
 import aegis_sdc as aegis
 from aegis_sdc.events import WrongExecution
 from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
-from aegis_sdc.workloads.llama import Llama, LlamaConfig
+from aegis_sdc.workloads.llama import Llama, LlamaConfig, lm_loss
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Aligned dims (16-byte rows for TMA) and few tokens: the interpreter runs one program at a time.
@@ -155,3 +155,70 @@ def test_gpu_bf16_training_clean_then_faulty(tmp_path):
         summary.confirmed == 3 and summary.alarms == summary.false_alarms + summary.confirmed + summary.not_verifiable
     )
     print(f"GPU training: {summary.checks} checks, {summary.false_alarms} false alarms")
+
+
+def test_byproduct_buffers_are_reused_from_step_to_step_and_never_twice_in_a_step():
+    from aegis_sdc.ops.triton_linear import ByproductPool
+
+    pool, dt, device = ByproductPool(), torch.bfloat16, torch.device(DEVICE)
+    first, second = pool.take(0, 64, dt, device), pool.take(0, 64, dt, device)  # two calls of one step
+    assert first.vec.data_ptr() != second.vec.data_ptr() and first.matrix.data_ptr() != second.matrix.data_ptr()
+    again = pool.take(1, 64, dt, device)  # the next step's first call: the first call's buffer
+    assert again is first and pool.take(1, 64, dt, device) is second
+    shorter = pool.take(2, 32, dt, device)  # a shorter sequence: a view of the same storage
+    assert shorter.vec.shape == (32,) and shorter.matrix.shape == (32, 16)
+    assert shorter.vec.data_ptr() == first.vec.data_ptr()
+    longer = pool.take(3, 128, dt, device)  # a longer one: a new buffer
+    assert longer.vec.shape == (128,) and longer.vec.data_ptr() != first.vec.data_ptr()
+
+
+def test_an_alarmed_wgrad_capture_keeps_copies_of_its_pooled_reference_vectors():
+    # The wgrad's c = X·1 lives in a buffer the next step's forward overwrites; a capture that outlives
+    # the step (a queued verification) must replay against the values the launch read.
+    from aegis_sdc.kernels import triton_gemm as tg
+    from aegis_sdc.kernels.gemm_side import SideMatrix
+    from aegis_sdc.ops.triton_replay import TritonGemmCall
+
+    vec = torch.arange(64, dtype=torch.float64, device=DEVICE)
+    side = SideMatrix.of(vec, torch.float16)
+    call = TritonGemmCall(
+        a_t=True, b_t=False, m=32, n=48, k=64, dtype=torch.float16, cfg=tg.default_config(),
+        capture_kind=tg.CAPTURE_TILE, b=None, bias=None, cvec=vec, u1=None, pool=None, fault=None,
+        c_side=side, pooled=True,
+    )  # fmt: skip
+    kept = call.kept()
+    expected_vec, expected_matrix = vec.clone(), side.matrix.clone()
+    vec.zero_()
+    side.matrix.zero_()  # the next step writes its by-product into the buffer
+    assert torch.equal(kept.cvec, expected_vec) and kept.c_side.vec is kept.cvec
+    assert torch.equal(kept.c_side.matrix, expected_matrix) and not kept.pooled
+    unpooled = TritonGemmCall(**{**call.__dict__, "pooled": False})
+    assert unpooled.kept() is unpooled  # nothing pooled: nothing copied
+
+
+def test_a_step_takes_the_weight_sums_in_one_pass_per_weight_shape(tmp_path, monkeypatch):
+    # Every active Linear's weight sums at the step's first checked call, a pair of launches per shape
+    # shared by two or more weights: TINY's 8 Linears have 4 shapes, one of them alone. The sums are
+    # those of each weight's own launches, bit for bit.
+    from aegis_sdc.kernels import weight_sums
+
+    model, data, optimizer = tiny_workload(dtype=torch.bfloat16)
+    guard = aegis.protect(model, optimizer=optimizer, config=config(tmp_path))
+    launches = []
+    real = weight_sums._launch_sums
+    monkeypatch.setattr(weight_sums, "_launch_sums", lambda w, table, *a: launches.append(table is not None) or real(
+        w, table, *a))  # fmt: skip
+    inputs, targets = data.batch()
+    lm_loss(model(inputs), targets).backward()  # the step's forward and backward, before the update
+    assert sorted(launches) == [False, True, True, True]
+    epoch = guard.device_state.epoch
+    # what the step's GEMMs read: the keys hold, nothing is launched
+    weights = [(swap.checked.weight, swap.checked.aegis_hooks.weight_stats) for swap in guard._swaps]
+    read = [(w, stats.get(w, w, epoch)) for w, stats in weights]
+    assert len(launches) == 4
+    for w, (fwd_side, dgrad_side) in read:
+        col_sum, row_sum, s_col, s_row = weight_sums.weight_sides(w)
+        assert torch.equal(fwd_side.vec, col_sum) and torch.equal(dgrad_side.vec, row_sum)
+        assert torch.equal(fwd_side.matrix, s_col) and torch.equal(dgrad_side.matrix, s_row)
+    optimizer.step()
+    guard.close()

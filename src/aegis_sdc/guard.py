@@ -68,7 +68,7 @@ from aegis_sdc.ops.checked_linear import LinearHooks, PlanTracer
 from aegis_sdc.ops.cost import attention_check_cost_ms, check_cost_ms
 from aegis_sdc.ops.fingerprint import FingerprintPool
 from aegis_sdc.ops.gemm_replay import MODIFIED_BEFORE_REPLAY
-from aegis_sdc.ops.triton_linear import DeviceState
+from aegis_sdc.ops.triton_linear import DeviceState, WeightSums
 from aegis_sdc.response.policies import Responder
 from aegis_sdc.runtime import evidence as step_evidence
 from aegis_sdc.runtime.budget import BudgetController, BudgetPlan, StepTimer
@@ -197,6 +197,7 @@ class Guard:
         self._listeners: list[Listener] = []
         self._tiling = Tiling(config.verify.row_block, config.verify.col_block)
         self.device_state = DeviceState()
+        self.weight_sums = WeightSums(self.plan)  # every active weight's sums per step, a pass per shape
         self._steps_seen: set[int] = set()
         self._pending_evidence: dict[int, Evidence] = {}  # vTask id → its evidence, until verified
         self._comm_values: dict[int, float] = {}  # this step: collective slot → largest mismatch / bound
@@ -293,7 +294,7 @@ class Guard:
             )
             self.registry.add_gemm(sensor)
             sensors.append(sensor)
-        return LinearHooks(
+        hooks = LinearHooks(
             *sensors,
             tiling=self._tiling,
             after_call=self._after_call,
@@ -304,6 +305,8 @@ class Guard:
             index=self.plan.add_linear(tuple(s.probability for s in sensors)),
             uncovered=self._uncovered,
         )
+        self.weight_sums.join(linear, hooks.index, hooks.weight_stats)  # the Linear shares its parameters
+        return hooks
 
     def _uncovered(self, module: str, reason: str) -> None:
         """A protected Linear the GPU kernels cannot take: named once, in a warning and the coverage."""
@@ -401,6 +404,7 @@ class Guard:
 
         for sensor in self.sensors:
             sensor.copy_referenced = True  # FSDP2 frees unsharded weights before verification
+        self.weight_sums.enabled = False  # and regathers them layer by layer: each weight's own sums
         hooked = 0
         for name, module in model.named_modules():
             if isinstance(module, FSDPModule):

@@ -195,13 +195,12 @@ def conclude(stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, 
 
 
 @triton.jit
-def arrive(pid_m, pid_n, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr, rsq_part_ptr, out_part_ptr,
-           col_part_ptr, csq_part_ptr, rowref_ptr, colref_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr,
-           row_threshold, col_threshold, M, N, K, stride_a, stride_b, data_len, f32_len,
-           ROW_CHECK: tl.constexpr, COL_CHECK: tl.constexpr, CAPTURE: tl.constexpr, POOL: tl.constexpr,
-           A_T: tl.constexpr, B_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
-    """Inline evidence: tile (pid_m, pid_n) of this program has stored its partials. Count it at its
-    row block (and column block); finish a block this tile completes; conclude after the last block.
+def count_arrival(pid_m, pid_n, counters_ptr, M, N, ROW_CHECK: tl.constexpr, BYPRODUCT: tl.constexpr,
+                  SIDE_OUT: tl.constexpr, COL_CHECK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """Inline evidence, first half: tile (pid_m, pid_n) of this program has stored its partials and
+    side slices. Count it at its row block (and column block); returns the row block and the column
+    block this arrival completed (−1 where none). Cheap: two atomics, no live registers beyond them,
+    so it can sit right after the next tile's K loop with the accumulator live.
 
     counters (int32): [0] finished blocks, [1 + i] tiles arrived at row block i, [1 + tiles_m + j]
     at column block j; each is put back to zero by the program that completes it."""
@@ -210,19 +209,47 @@ def arrive(pid_m, pid_n, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, r
     # Every thread's stores of the tile are issued before the release below (the barrier), and the
     # release at gpu scope makes them visible to the program that acquires the completed count.
     tl.debug_barrier()
-    finished = pid_m * 0
-    if ROW_CHECK:
+    row_done = pid_m * 0 - 1
+    col_done = row_done
+    if ROW_CHECK or BYPRODUCT or SIDE_OUT:  # a row block is finished for its evidence or its by-product
         seen = tl.atomic_add(counters_ptr + 1 + pid_m, 1, sem="acq_rel", scope="gpu")
         if seen == tiles_n - 1:
             tl.store(counters_ptr + 1 + pid_m, 0)
-            block_evidence(row_part_ptr, rsq_part_ptr, rowref_ptr, tiles_n, M, pid_m * BM, stats_ptr,
-                           stats_f64_ptr, _ST_ROW, _ST_ROW_L2SQ, BM)  # fmt: skip
-            finished += 1
+            row_done = pid_m
     if COL_CHECK:
         seen = tl.atomic_add(counters_ptr + 1 + tiles_m + pid_n, 1, sem="acq_rel", scope="gpu")
         if seen == tiles_m - 1:
             tl.store(counters_ptr + 1 + tiles_m + pid_n, 0)
-            block_evidence(col_part_ptr, csq_part_ptr, colref_ptr, tiles_m, N, pid_n * BN, stats_ptr,
+            col_done = pid_n
+    return row_done, col_done
+
+
+@triton.jit
+def finish_blocks(row_done, col_done, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr, rsq_part_ptr,
+                  out_part_ptr, col_part_ptr, csq_part_ptr, rowref_ptr, rowones_ptr, colref_ptr, byproduct_ptr,
+                  side_out_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold, M, N, K,
+                  stride_a, stride_b, data_len, f32_len, ROW_CHECK: tl.constexpr, COL_CHECK: tl.constexpr,
+                  BYPRODUCT: tl.constexpr, SIDE_OUT: tl.constexpr, DT: tl.constexpr, CAPTURE: tl.constexpr,
+                  POOL: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr):  # fmt: skip
+    """Inline evidence, second half: finish the blocks `count_arrival` completed (where the
+    accumulator is dead: the finishing code's registers do not add to the K loop's), the by-product
+    A·1 of a completed row block, and conclude after the launch's last block."""
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    finished = row_done * 0
+    if ROW_CHECK or BYPRODUCT or SIDE_OUT:  # noqa: SIM102  (a compile-time branch around a run-time one)
+        if row_done >= 0:
+            if ROW_CHECK:
+                block_evidence(row_part_ptr, rsq_part_ptr, rowref_ptr, tiles_n, M, row_done * BM, stats_ptr,
+                               stats_f64_ptr, _ST_ROW, _ST_ROW_L2SQ, BM)  # fmt: skip
+                finished += 1
+            if BYPRODUCT or SIDE_OUT:
+                finish_byproduct(rowones_ptr, tiles_n, M, row_done * BM, byproduct_ptr, side_out_ptr, BYPRODUCT,
+                                 SIDE_OUT, DT, BM)  # fmt: skip
+    if COL_CHECK:  # noqa: SIM102
+        if col_done >= 0:
+            block_evidence(col_part_ptr, csq_part_ptr, colref_ptr, tiles_m, N, col_done * BN, stats_ptr,
                            stats_f64_ptr, _ST_COL, _ST_COL_L2SQ, BN)  # fmt: skip
             finished += 1
     if finished > 0:
@@ -235,6 +262,20 @@ def arrive(pid_m, pid_n, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, r
                      pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold, M, N, K,
                      tiles_n, stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK, CAPTURE, POOL,
                      A_T, B_T, BM, BN)  # fmt: skip
+
+
+@triton.jit
+def finish_byproduct(rowones_ptr, parts, M, start, byproduct_ptr, side_out_ptr, BYPRODUCT: tl.constexpr,
+                     SIDE_OUT: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """A·1 of rows [start, start + BLOCK): its K slices summed in fp64 in slice order, stored as the
+    by-product (fp64 [M]) and as S(A·1) [M, 16] (gemm_side.store_side)."""
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < M
+    ones = _sum_parts(rowones_ptr, parts, M, offs, mask, 16)
+    if BYPRODUCT:
+        tl.store(byproduct_ptr + offs, ones, mask=mask)
+    if SIDE_OUT:
+        store_side(side_out_ptr, offs, mask, ones, DT)
 
 
 @triton.jit(do_not_specialize=["M", "N", "K", "stride_a", "stride_b", "data_len", "f32_len"])
@@ -289,13 +330,8 @@ def evidence_kernel(
             block_evidence(row_part_ptr, rsq_part_ptr, rowref_ptr, tiles_n, M, pid * BM, stats_ptr, stats_f64_ptr,
                            _ST_ROW, _ST_ROW_L2SQ, BM)  # fmt: skip
         if BYPRODUCT or SIDE_OUT:
-            offs = pid * BM + tl.arange(0, BM)
-            mask = offs < M
-            ones = _sum_parts(rowones_ptr, tiles_n, M, offs, mask, 16)
-            if BYPRODUCT:
-                tl.store(byproduct_ptr + offs, ones, mask=mask)
-            if SIDE_OUT:
-                store_side(side_out_ptr, offs, mask, ones, DT)
+            finish_byproduct(rowones_ptr, tiles_n, M, pid * BM, byproduct_ptr, side_out_ptr, BYPRODUCT, SIDE_OUT, DT,
+                             BM)  # fmt: skip
     else:
         block_evidence(col_part_ptr, csq_part_ptr, colref_ptr, tiles_m, N, (pid - row_blocks) * BN, stats_ptr,
                        stats_f64_ptr, _ST_COL, _ST_COL_L2SQ, BN)  # fmt: skip

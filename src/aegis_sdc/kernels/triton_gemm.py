@@ -56,8 +56,9 @@ from aegis_sdc.kernels.gemm_evidence import (  # noqa: F401  (the evidence layou
     ST_ROW_L2SQ,
     ST_SLOT,
     STATS_LEN,
-    arrive,
+    count_arrival,
     evidence_kernel,
+    finish_blocks,
 )
 from aegis_sdc.kernels.gemm_side import (
     SIDE_COLUMNS,
@@ -154,7 +155,9 @@ def checked_gemm_kernel(
     rowref_ptr,  # [row_parts, M] fp64 out: A·c per K slice (slice j from the tiles of column block j)
     rowones_ptr,  # [row_parts, M] fp64 out: A·1 per K slice, the by-product's parts
     colref_ptr,  # [col_parts, N] fp64 out: u1ᵀB per K slice (slice i from the tiles of row block i)
-    counters_ptr,  # int32 [1 + tiles_m + tiles_n], zero (see gemm_evidence.arrive)
+    byproduct_ptr,  # [M] fp64 out (BYPRODUCT, inline): A·1
+    side_out_ptr,  # [M, 16] out (SIDE_OUT, inline): S(A·1), as a later wgrad's side reads it
+    counters_ptr,  # int32 [1 + tiles_m + tiles_n], zero (see gemm_evidence.count_arrival)
     stats_ptr,  # int64 [STATS_LEN], zero
     stats_f64_ptr,  # the same slot as fp64
     pool_data_ptr,
@@ -184,7 +187,9 @@ def checked_gemm_kernel(
     ROW_SIDE: tl.constexpr,  # A·c and A·1
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
-    EVIDENCE: tl.constexpr,  # inline evidence (see gemm_evidence)
+    EVIDENCE: tl.constexpr,  # blocks finished inside this launch: evidence and by-product (gemm_evidence)
+    BYPRODUCT: tl.constexpr,
+    SIDE_OUT: tl.constexpr,
     CAPTURE: tl.constexpr,
     POOL: tl.constexpr,
     DT: tl.constexpr,  # the operands' dtype
@@ -211,7 +216,8 @@ def checked_gemm_kernel(
     tiles_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     # The tile before this one, not yet counted at its blocks (inline evidence): counted after the
-    # next tile's K loop, when its stores have landed, so its release does not wait on them.
+    # next tile's K loop, when its stores have landed, so its release does not wait on them. A block
+    # that count completes is finished at the end of the loop body, where the accumulator is dead.
     prev_m = tl.program_id(0) * 0 - 1
     prev_n = prev_m
     for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
@@ -220,12 +226,12 @@ def checked_gemm_kernel(
         off_n = pid_n * BN
         acc = _main_loop(a_desc, b_desc, off_m, off_n, k_tiles, A_T, B_T, UPCAST, BM, BN, BK)
 
+        row_done = prev_m * 0 - 1
+        col_done = row_done
         if EVIDENCE:
             if prev_m >= 0:
-                arrive(prev_m, prev_n, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr, rsq_part_ptr,
-                       out_part_ptr, col_part_ptr, csq_part_ptr, rowref_ptr, colref_ptr, pool_data_ptr, pool_f32_ptr,
-                       pool_counter_ptr, row_threshold, col_threshold, M, N, K, stride_a, stride_b, data_len,
-                       f32_len, ROW_CHECK, COL_CHECK, CAPTURE, POOL, A_T, B_T, BM, BN)  # fmt: skip
+                row_done, col_done = count_arrival(prev_m, prev_n, counters_ptr, M, N, ROW_CHECK, BYPRODUCT, SIDE_OUT,
+                                                   COL_CHECK, BM, BN)  # fmt: skip
         offs_m = off_m + tl.arange(0, BM)
         offs_n = off_n + tl.arange(0, BN)
         mask_m = offs_m < M
@@ -262,14 +268,23 @@ def checked_gemm_kernel(
             for part in range(tl.where(replay, 0, pid_m), tl.where(replay, col_parts, pid_m + 1)):
                 _side_part(b_desc, side_u_desc, u_scale_ptr, off_n, part, col_parts, k_tiles, colref_ptr, colref_ptr,
                            N, False, B_T, False, UPCAST, BN, BK)  # fmt: skip
+        if EVIDENCE:
+            finish_blocks(row_done, col_done, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr,
+                          rsq_part_ptr, out_part_ptr, col_part_ptr, csq_part_ptr, rowref_ptr, rowones_ptr, colref_ptr,
+                          byproduct_ptr, side_out_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold,
+                          col_threshold, M, N, K, stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK,
+                          BYPRODUCT, SIDE_OUT, DT, CAPTURE, POOL, A_T, B_T, BM, BN)  # fmt: skip
         prev_m = pid_m
         prev_n = pid_n
     if EVIDENCE:
         if prev_m >= 0:
-            arrive(prev_m, prev_n, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr, rsq_part_ptr,
-                   out_part_ptr, col_part_ptr, csq_part_ptr, rowref_ptr, colref_ptr, pool_data_ptr, pool_f32_ptr,
-                   pool_counter_ptr, row_threshold, col_threshold, M, N, K, stride_a, stride_b, data_len,
-                   f32_len, ROW_CHECK, COL_CHECK, CAPTURE, POOL, A_T, B_T, BM, BN)  # fmt: skip
+            row_done, col_done = count_arrival(prev_m, prev_n, counters_ptr, M, N, ROW_CHECK, BYPRODUCT, SIDE_OUT,
+                                               COL_CHECK, BM, BN)  # fmt: skip
+            finish_blocks(row_done, col_done, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr,
+                          rsq_part_ptr, out_part_ptr, col_part_ptr, csq_part_ptr, rowref_ptr, rowones_ptr, colref_ptr,
+                          byproduct_ptr, side_out_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold,
+                          col_threshold, M, N, K, stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK,
+                          BYPRODUCT, SIDE_OUT, DT, CAPTURE, POOL, A_T, B_T, BM, BN)  # fmt: skip
 
 
 # -- host side --------------------------------------------------------------------------------------
@@ -294,7 +309,7 @@ class TritonGemmConfig:
     # The evidence inside the GEMM launch, else in a second launch. Measured on the H200 (gate/up
     # 8192×2048×5632, benchmarks/results/gemm_diagnose.json): counting every tile at its block cost the
     # GEMM 2–17% (17% on the forward), a second launch 1–2%.
-    inline_evidence: bool = False
+    inline_evidence: bool = True
 
 
 # Hopper: 128×256×64 tiles, 8 warps, 3 stages run bf16 GEMMs at cuBLAS speed on the H200.
@@ -480,7 +495,7 @@ class _DescriptorScratch:
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
 
     def __call__(self, size: int, alignment: int, stream: int | None) -> torch.Tensor:
-        key = (torch.cuda.current_device(), stream or 0)
+        key = (torch._C._cuda_getDevice(), stream or 0)  # the current device, as Triton launches on it
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < size:
             # 256-byte aligned by the caching allocator (descriptors need 64 bytes)
@@ -492,8 +507,27 @@ _SCRATCH = _DescriptorScratch()
 # The allocator Triton calls is a context variable (autograd runs backward in threads of its own):
 # set around each launch and restored, so a user's own allocator keeps serving the user's kernels.
 _ALLOCATOR_VAR = getattr(getattr(triton.runtime, "_allocation", None), "_allocator", None)
-_COMPILED: dict[tuple, object] = {}
+_COMPILED: dict[tuple, _Handle] = {}
 _direct_launch = not INTERPRET
+_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Handle:
+    """A compiled variant as its launcher takes it: what `CompiledKernel[grid](...)` looks up per call."""
+
+    run: Callable
+    function: int
+    metadata: object
+
+    @classmethod
+    def of(cls, compiled) -> _Handle:
+        return cls(compiled.run, compiled.function, compiled.packed_metadata)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is installed (a profiler such as proton): then launches take Triton's path."""
+    return _KNOBS is not None and (_KNOBS.launch_enter_hook is not None or _KNOBS.launch_exit_hook is not None)
 
 
 def _launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict, variant: tuple) -> None:
@@ -519,12 +553,20 @@ def _launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, option
             kernel[grid](*args, **constexprs, **options)
             return
         key = (kernel, variant, *constexprs.values(), *options.values())
-        compiled = _COMPILED.get(key)
-        if compiled is None:
-            _COMPILED[key] = kernel[grid](*args, **constexprs, **options)
+        handle = _COMPILED.get(key)
+        if handle is None or _hooked():
+            compiled = kernel[grid](*args, **constexprs, **options)
+            if handle is None:
+                _COMPILED[key] = _Handle.of(compiled)
             return
         try:
-            compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # its runner reads three grid sizes
+            # What Triton's own launch does once the variant is known: the current device's current
+            # stream, three grid sizes, no launch metadata (no hook is installed), every parameter.
+            driver = triton.runtime.driver.active
+            stream = driver.get_current_stream(driver.get_current_device())
+            grid3 = (*grid, 1, 1)
+            handle.run(grid3[0], grid3[1], grid3[2], stream, handle.function, handle.metadata, None, None, None, *args,
+                       *constexprs.values())  # fmt: skip
         except Exception as error:  # any failure: fall back for good, loudly
             _direct_launch = False
             warnings.warn(f"aegis-sdc: direct kernel launch failed ({error!r}); using Triton's launch path",
@@ -560,7 +602,7 @@ class _Layout:
     strides: tuple[int, int, int, int, int]  # stride_a, stride_b, stride_c, data_len, f32_len
     shape_ints: tuple[int, ...]  # side_all, row_parts, col_parts, M, N, K
     checked: bool  # evidence is computed (it needs a stats slot and counters)
-    inline: bool  # evidence inside the GEMM launch
+    inline: bool  # evidence and by-product finished inside the GEMM launch (it needs counters)
     evidence: tuple[int, dict] | None  # the second launch's programs and constexprs (evidence, by-product)
     counters: int  # counters the evidence needs
     fill: _Fillers  # the device's fillers for absent tensors
@@ -601,7 +643,9 @@ class _Layout:
         slots, data_len, f32_len = pool if pool is not None else (1, 0, 0)
         strides = (stride_a, stride_b, stride_c, data_len, f32_len)
         shape_ints = (int(side_all), row_parts, col_parts, m, n, k)
-        inline = evidence and cfg.inline_evidence
+        # Inline: the blocks are finished inside the GEMM launch (evidence, by-product), else by a second launch
+        finishing = evidence or has_byproduct or has_side_out
+        inline = finishing and cfg.inline_evidence
         constexprs = dict(
             A_T=a_t,
             B_T=b_t,
@@ -611,6 +655,8 @@ class _Layout:
             COL_CHECK=col_check,
             FAULT=model,
             EVIDENCE=inline,
+            BYPRODUCT=has_byproduct and inline,
+            SIDE_OUT=has_side_out and inline,
             CAPTURE=capture,
             POOL=slots,
             DT=_TL_DTYPES[a_dtype],
@@ -622,7 +668,7 @@ class _Layout:
         )  # fmt: skip (the kernel's constexpr parameters, in their order)
         second = None
         separate = evidence and not inline
-        if separate or has_byproduct or has_side_out:
+        if finishing and not inline:
             checks = (row_check, col_check) if separate else (False, False)
             blocks = (tiles_m if checks[0] or has_byproduct or has_side_out else 0) + (tiles_n if checks[1] else 0)
             second = (blocks, dict(A_T=a_t, B_T=b_t, ROW_CHECK=checks[0], COL_CHECK=checks[1],
@@ -633,7 +679,8 @@ class _Layout:
         variant = (dev, *key[6:10], _wide(*strides, *shape_ints))
         return cls((min(num_sms(dev), tiles_m * tiles_n),), constexprs,
                    dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), variant, parts, results, strides,
-                   shape_ints, evidence, inline, second, counters_needed(m, n, cfg), fill)  # fmt: skip
+                   shape_ints, evidence, inline, second, counters_needed(m, n, cfg) if evidence or inline else 0,
+                   fill)  # fmt: skip
 
 
 _LAYOUTS: dict[tuple, _Layout] = {}
@@ -744,9 +791,11 @@ def launch_checked_gemm(
             if len(_LAYOUTS) >= MAX_LAYOUTS:  # shapes that keep changing (variable lengths): start over
                 _LAYOUTS.clear()
             _LAYOUTS[key] = layout
-    if layout.checked:
-        if stats is None or counters is None:
-            raise ValueError("evidence needs a zeroed stats slot and counters")
+    if layout.checked and stats is None:
+        raise ValueError("evidence needs a zeroed stats slot")
+    if layout.counters:
+        if counters is None:
+            raise ValueError("evidence and by-products need zeroed counters")
         if counters.numel() < layout.counters:
             raise ValueError(f"evidence needs {layout.counters} counters, got {counters.numel()}")
     fill = layout.fill
@@ -762,6 +811,7 @@ def launch_checked_gemm(
     args = (a, b, out, bias if bias is not None else fill.f32, c_side.matrix if c_side is not None else no_side,
             u_side.matrix if u_side is not None else no_side, c_side.scale if c_side is not None else fill.f32,
             u_side.scale if u_side is not None else fill.f32, *layout.parts,
+            byproduct if byproduct is not None else fill.f64, byproduct_side if byproduct_side is not None else out,
             counters if counters is not None else fill.i32, stats, stats_f64, pool_data, pool_f32, pool_counter,
             *thresholds, *layout.strides, int(frow), int(fcol), float(fdelta), int(fmask),
             *layout.shape_ints)  # fmt: skip

@@ -43,6 +43,8 @@ class GemmSensorHooks(Protocol):
 class StepPlanLike(Protocol):
     """runtime.plan.StepPlan, as the op sees it."""
 
+    step: int  # the step being planned (by-product buffers are reused from one step to the next)
+
     def take(self, linear: int) -> int | None: ...
 
     def checked(self, site: int, call: int) -> bool: ...
@@ -111,6 +113,7 @@ class LinearHooks:
     backend: str = "auto"
     state: triton_linear.DeviceState | None = None
     weight_stats: triton_linear.WeightStats = field(default_factory=triton_linear.WeightStats)
+    byproducts: triton_linear.ByproductPool = field(default_factory=triton_linear.ByproductPool)
     counters: dict = field(default_factory=dict)  # GEMM kind → (last shape, int32 counters of the Triton kernel)
     tracer: PlanTracer = field(default_factory=PlanTracer)
     plan: StepPlanLike | None = None  # the guard's step plan; this Linear's index in it
@@ -308,6 +311,10 @@ def plain_backward(
     return (dy.mm(weight) if needs_dx else None), (dy.t().mm(x2d) if needs_dw else None)
 
 
+def _step(hooks: LinearHooks) -> int | None:
+    return None if hooks.plan is None else hooks.plan.step
+
+
 def _triton_forward(
     call: LinearCall, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -318,10 +325,15 @@ def _triton_forward(
     fwd_side, _ = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
     m, n = x2d.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
-    # X·1, the wgrad's c: a by-product of this launch. Made whether or not the wgrad is checked: its
-    # cost is M values, and one kernel variant serves both cases (a variant first needed mid-run
-    # would compile inside a training step: hundreds of milliseconds)
-    call.x_sums = triton_linear.Byproduct.empty(m, x2d.dtype, x2d.device)
+    # X·1, the wgrad's c: a by-product of this launch, into the Linear's pooled buffer when a wgrad
+    # follows on the Triton path, else into scratch. Made either way: its cost is M values, and one
+    # kernel variant serves both cases (a variant first needed mid-run would compile inside a
+    # training step: hundreds of milliseconds)
+    if call.plans[2] is not None:
+        call.x_sums = hooks.byproducts.take(_step(hooks), m, x2d.dtype, x2d.device)
+        byproduct = call.x_sums
+    else:
+        byproduct = triton_linear.Byproduct.scratch(m, x2d.dtype, x2d.device)
     triton_linear.run(
         hooks.forward,
         fwd_plan,
@@ -337,7 +349,7 @@ def _triton_forward(
         counters=hooks.counters_for("fwd", m, n, x2d.shape[1], x2d.device),
         state=hooks.state,
         weight_stats=lambda w: triton_linear.WeightStats.compute(w)[0],
-        byproduct=call.x_sums,
+        byproduct=byproduct,
     )
     return out
 
@@ -356,8 +368,12 @@ def _triton_backward(call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weig
             _, dgrad_side = hooks.weight_stats.get(weight, call.source, hooks.state.epoch)
             m, n = dy.shape[0], weight.shape[1]
             dx = torch.empty(m, n, dtype=x2d.dtype, device=dy.device)
+            byproduct = None
             if hooks.wgrad.col_check:  # dY·1, the wgrad's u1: a by-product (made always, as X·1 is)
-                dy_sums = triton_linear.Byproduct.empty(m, dy.dtype, dy.device)
+                if wgrad_cols and needs_dw:
+                    byproduct = dy_sums = hooks.byproducts.take(_step(hooks), m, dy.dtype, dy.device)
+                else:
+                    byproduct = triton_linear.Byproduct.scratch(m, dy.dtype, dy.device)
             triton_linear.run(
                 hooks.dgrad,
                 dgrad_plan,
@@ -373,7 +389,7 @@ def _triton_backward(call: LinearCall, dy: torch.Tensor, x2d: torch.Tensor, weig
                 counters=hooks.counters_for("dgrad", m, n, dy.shape[1], dy.device),
                 state=hooks.state,
                 weight_stats=lambda w: triton_linear.WeightStats.compute(w)[1],
-                byproduct=dy_sums,
+                byproduct=byproduct,
             )
     if needs_dw:
         if wgrad_plan is None:

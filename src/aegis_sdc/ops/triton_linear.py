@@ -23,7 +23,7 @@ import torch
 
 from aegis_sdc.kernels import triton_gemm as tg
 from aegis_sdc.kernels.gemm_side import SIDE_COLUMNS, SideMatrix
-from aegis_sdc.kernels.weight_sums import weight_side_matrices, weight_sides
+from aegis_sdc.kernels.weight_sums import GroupSums, WeightSideBuffers, weight_side_matrices, weight_sides
 from aegis_sdc.ops.triton_replay import TritonGemmCall
 
 
@@ -91,8 +91,13 @@ class WeightStats:
     step, such as `load_state_dict` between micro-batches, is seen through the version)."""
 
     def __init__(self) -> None:
+        self.shared: WeightSums | None = None  # computes this weight with the others of its shape
         self._key: tuple | None = None
         self._value: tuple[SideMatrix, SideMatrix] | None = None
+        # The buffers the sums are written into, reused from one step to the next (a capture copies
+        # what it keeps of them: TritonGemmCall.kept). A weight that changes within a step gets
+        # fresh ones: launches of the step queued before the change still read the old sums.
+        self._buffers: WeightSideBuffers | None = None
 
     @staticmethod
     def compute(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,14 +114,108 @@ class WeightStats:
         """(S(Wᵀ·1) for the forward, S(W·1) for the dgrad) of this step's weight (gemm_side.py)."""
         # `source` is the parameter; `w` may be its autocast copy. The copy's values are a function
         # of the parameter's within one epoch.
-        key = (epoch, source.data_ptr(), source._version, w.dtype, tuple(w.shape))
+        key = (epoch, source.data_ptr(), source._version, w.dtype, w.shape, w.stride())
+        if key != self._key and self.shared is not None:
+            self.shared.prepare(epoch)  # the step's first ask: every active weight, a pass per shape
         if key != self._key:
             if w.device.type == "cuda" or tg.INTERPRET:
-                value = weight_side_matrices(w)  # sums and S matrices: two launches
+                buffers = self._buffers
+                same_step = self._key is not None and self._key[0] == epoch
+                if buffers is None or same_step or not buffers.fits(w):
+                    buffers = self._buffers = WeightSideBuffers.empty(w)
+                value = weight_side_matrices(w, out=buffers)  # sums and S matrices: two launches
             else:
                 value = tuple(SideMatrix.of(v, w.dtype) for v in self.compute(w))
             self._key, self._value = key, value
         return self._value
+
+    def set(self, epoch: int, w: torch.Tensor, buffers: WeightSideBuffers) -> None:
+        """This step's sums of `w` (the parameter itself), computed by its group into `buffers`."""
+        self._key = (epoch, w.data_ptr(), w._version, w.dtype, w.shape, w.stride())
+        self._value = (
+            SideMatrix.written_by_kernel(buffers.col_sum, buffers.s_col),
+            SideMatrix.written_by_kernel(buffers.row_sum, buffers.s_row),
+        )
+
+
+class WeightSums:
+    """The weight sums of a step for every protected Linear the step plan makes active, computed
+    together at the step's first ask: one pair of launches per weight shape (GroupSums) instead of a
+    pair per weight — 155 weights of a 1.1B Llama are 5 shapes.
+
+    Only weights that are what the forward will read take part: plain bf16 CUDA parameters with
+    contiguous rows and live storage (not a DTensor shard, not a freed FSDP view; `enabled` is turned
+    off under FSDP2, which regathers weights per layer). A Linear whose forward passes something else
+    (an autocast copy, a weight changed within the step) misses the key in `WeightStats.get` and
+    takes its own launches, as before."""
+
+    def __init__(self, plan) -> None:
+        self.plan = plan
+        self.enabled = True
+        self._members: list[tuple[torch.nn.Module, int, WeightStats]] = []  # (Linear, plan index, its stats)
+        self._epoch: int | None = None
+        self._groups: dict[tuple, tuple[GroupSums, dict[int, int]]] = {}  # shape key → (sums, member → slot)
+        self._tables: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # shape key → (rows, their device table)
+
+    def join(self, module: torch.nn.Module, index: int, stats: WeightStats) -> None:
+        """A Linear whose forward reads `module.weight` as it is (an `nn.Linear`; not a Conv1D, whose
+        GEMM reads the transposed weight)."""
+        if type(module) is not torch.nn.Linear:
+            return
+        stats.shared = self
+        self._members.append((module, index, stats))
+
+    def prepare(self, epoch: int) -> None:
+        if epoch == self._epoch or not self.enabled:
+            return
+        self._epoch = epoch
+        by_key: dict[tuple, list[tuple[int, torch.Tensor, WeightStats]]] = {}
+        for member, (module, index, stats) in enumerate(self._members):
+            w = getattr(module, "weight", None)
+            if self.plan.active_first(index) and _groupable(w):
+                by_key.setdefault((w.device, tuple(w.shape), w.stride(0)), []).append((member, w, stats))
+        for key, entries in by_key.items():
+            if len(entries) < 2:  # alone: its own launches cost the same
+                continue
+            sums, slots = self._group(key, [member for member, _, _ in entries])
+            rows = tuple((w.data_ptr(), slots[member]) for member, w, _ in entries)
+            sums.compute(entries[0][1], self._table(key, rows))
+            for member, w, stats in entries:
+                stats.set(epoch, w, sums.buffers(slots[member]))
+
+    def _group(self, key: tuple, members: list[int]) -> tuple[GroupSums, dict[int, int]]:
+        group = self._groups.get(key)
+        if group is None or any(member not in group[1] for member in members):
+            # slots for every member of this shape now (a later step may make others active)
+            device, (n, k), _ = key
+            known = [] if group is None else list(group[1])
+            slots = {member: slot for slot, member in enumerate(dict.fromkeys(known + members))}
+            group = self._groups[key] = (GroupSums.empty(len(slots), n, k, device), slots)
+        return group
+
+    def _table(self, key: tuple, rows: tuple) -> torch.Tensor:
+        """The device table of (address, slot) rows: uploaded when the rows change (a new active set)."""
+        cached = self._tables.get(key)
+        if cached is not None and cached[0] == rows:
+            return cached[1]
+        table = torch.tensor(rows, dtype=torch.int64)
+        device = key[0]
+        if device.type == "cuda":
+            table = table.pin_memory().to(device, non_blocking=True)
+        self._tables[key] = (rows, table)
+        return table
+
+
+def _groupable(w: object) -> bool:
+    return (
+        type(w) in (torch.nn.Parameter, torch.Tensor)
+        and type(w.data) is torch.Tensor  # not a tensor subclass (a DTensor shard)
+        and w.dtype == torch.bfloat16
+        and w.dim() == 2
+        and w.stride(1) == 1
+        and (w.device.type == "cuda" or tg.INTERPRET)
+        and w.untyped_storage().nbytes() > 0
+    )
 
 
 @dataclasses.dataclass
@@ -136,10 +235,62 @@ class Byproduct:
             matrix = torch.empty(m, SIDE_COLUMNS, dtype=dtype, device=device)
         return cls(torch.empty(m, dtype=torch.float64, device=device), matrix, dtype)
 
+    @classmethod
+    def scratch(cls, m: int, dtype: torch.dtype, device: torch.device) -> Byproduct:
+        """Where a launch writes a by-product that nothing will read (no wgrad follows): the shared
+        workspace, so that one kernel variant serves both cases and nothing is allocated."""
+        matrix = None
+        if dtype == torch.bfloat16:
+            matrix = tg._workspace(device, "byproduct_side", (m, SIDE_COLUMNS), dtype)
+        return cls(tg._workspace(device, "byproduct", (m,), torch.float64), matrix, dtype)
+
     def side(self) -> SideMatrix:
         if self.matrix is not None:
             return SideMatrix.written_by_kernel(self.vec, self.matrix)
         return SideMatrix.of(self.vec, self.dtype)
+
+
+class ByproductPool:
+    """The by-product buffers of one Linear's calls (X·1 of its forwards, dY·1 of its dgrads), reused
+    from step to step: call c of a step writes buffer c, so a checked GEMM allocates nothing for them.
+
+    A buffer is read by the same call's wgrad later in the step, and by the replay of an alarmed
+    wgrad: the step's evidence is judged before the next step's first forward (the optimizer's post
+    hook, or `guard.step()`), and an alarmed call's capture copies what it keeps of them there
+    (`TritonGemmCall.kept`). Buffers are handed out in call order and never twice in one step; a
+    loop that never ends its steps gets fresh tensors past `MAX_PER_STEP` calls."""
+
+    MAX_PER_STEP = 64
+
+    def __init__(self) -> None:
+        self._step: int | None = None
+        self._used = 0
+        self._buffers: list[tuple[int, Byproduct]] = []  # (capacity in rows, buffer), by call index
+        self._views: list[Byproduct | None] = []  # the buffer's view at the last size handed out
+
+    def take(self, step: int, m: int, dtype: torch.dtype, device: torch.device) -> Byproduct:
+        if step != self._step:
+            self._step, self._used = step, 0
+        index = self._used
+        self._used += 1
+        if index >= self.MAX_PER_STEP:
+            return Byproduct.empty(m, dtype, device)
+        if index < len(self._buffers):
+            view = self._views[index]
+            if view is not None and view.vec.shape[0] == m and view.dtype == dtype and view.vec.device == device:
+                return view
+            capacity, buffer = self._buffers[index]
+            if capacity < m or buffer.dtype != dtype or buffer.vec.device != device:
+                capacity, buffer = m, Byproduct.empty(m, dtype, device)
+                self._buffers[index] = (capacity, buffer)
+        else:
+            capacity, buffer = m, Byproduct.empty(m, dtype, device)
+            self._buffers.append((capacity, buffer))
+            self._views.append(None)
+        # variable lengths: a view of the largest buffer (made when the length changes, not per call)
+        matrix = None if buffer.matrix is None else buffer.matrix[:m]
+        view = self._views[index] = Byproduct(buffer.vec[:m], matrix, dtype)
+        return view
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -202,10 +353,10 @@ def run(
     counters: torch.Tensor,
     state: DeviceState,
     weight_stats=None,
-    byproduct: SideMatrix | None = None,
+    byproduct: Byproduct | None = None,
 ) -> tg.GemmLaunch:
     """One GEMM on the Triton kernel, checked if `plan` says so; the row side (A·c, and the by-product
-    A·1, written into `byproduct` when given: `byproduct_of`) always runs. A column check takes
+    A·1, written into `byproduct` when given) always runs. A column check takes
     u1 = 1ᵀA's S when given (wgrad: dY·1), else computes it here (forward and dgrad: one pass over A,
     that option's price)."""
     m, n = out.shape
@@ -284,6 +435,7 @@ def run(
             pool=pool,
             fault=_fault_args(fault) if fault is not None and fault.affects_replay else None,
             weight_stats=weight_stats,
+            pooled=True,  # the weight's sums and the by-products are reused next step: a capture copies them
         )
         sensor.observe_triton(plan, call, stats, (m, k, n))
     return result

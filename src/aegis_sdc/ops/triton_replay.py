@@ -50,6 +50,22 @@ class TritonGemmCall:
     weight_stats: object | None = None  # weight → cvec, recomputed from `b` to verify the reference side
     c_side: SideMatrix | None = None  # the S matrices the launch read (rebuilt from cvec / u1 when absent)
     u_side: SideMatrix | None = None
+    pooled: bool = False  # cvec / u1 and their S live in buffers reused next step (WeightStats, ByproductPool)
+
+    def kept(self) -> TritonGemmCall:
+        """This call as a capture keeps it past the step: pooled reference vectors copied."""
+        if not self.pooled:
+            return self
+
+        def copy(side: SideMatrix | None) -> SideMatrix | None:
+            return None if side is None else SideMatrix(side.vec.clone(), side.matrix.clone(), side.scale)
+
+        c_side, u_side = copy(self.c_side), copy(self.u_side)
+        return dataclasses.replace(
+            self, cvec=c_side.vec if c_side is not None else self.cvec.clone(),
+            u1=None if self.u1 is None else (u_side.vec if u_side is not None else self.u1.clone()),
+            c_side=c_side, u_side=u_side, pooled=False,
+        )  # fmt: skip
 
     @property
     def references(self) -> tuple[torch.Tensor, ...]:

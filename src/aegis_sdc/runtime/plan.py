@@ -94,6 +94,10 @@ class StepPlan:
         active = self._faulted_list[linear] or any(self.checked(site, call) for site in range(first, first + 3))
         return call if active else None
 
+    def active_first(self, linear: int) -> bool:
+        """Whether the first call of Linear `linear` in this step takes the planned path."""
+        return linear < len(self._active_first) and self._active_first[linear]
+
     def checked(self, site: int, call: int) -> bool:
         """Whether call `call` of GEMM site `site` is sampled for a check in this step."""
         if call == 0:

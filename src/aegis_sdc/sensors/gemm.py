@@ -108,7 +108,7 @@ class CallRecord:
         self.alarm = raw[tg.ST_ALARM] != 0
         if self.alarm and raw[tg.ST_SLOT] > 0:
             self.capture = TritonGemmCapture(
-                self.triton_call, int(raw[tg.ST_SLOT]) - 1, int(stats[ROW_INDEX]), int(stats[COL_INDEX])
+                self.triton_call.kept(), int(raw[tg.ST_SLOT]) - 1, int(stats[ROW_INDEX]), int(stats[COL_INDEX])
             )
         self.triton_call = None  # release the references to operands and pools
         return stats
