@@ -525,56 +525,81 @@ class _Handle:
         return cls(compiled.run, compiled.function, compiled.packed_metadata)
 
 
+def _installed(hook: object) -> bool:
+    """Whether a launch hook is set: Triton ≥ 3.5 keeps a `HookChain` (set when it has calls), earlier
+    versions the hook itself or None."""
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else hook is not None
+
+
 def _hooked() -> bool:
     """Whether a launch hook is installed (a profiler such as proton): then launches take Triton's path."""
-    return _KNOBS is not None and (_KNOBS.launch_enter_hook is not None or _KNOBS.launch_exit_hook is not None)
+    return _KNOBS is not None and (_installed(_KNOBS.launch_enter_hook) or _installed(_KNOBS.launch_exit_hook))
 
 
-def _launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict, variant: tuple) -> None:
-    """kernel[grid](*args, **constexprs, **options), with the compiled variant reused directly.
+class _Launcher:
+    """Launches of one kernel variant: kernel[grid](*args, **constexprs, **options), with the compiled
+    variant reused directly.
 
     Triton's own launch binds and specializes every argument in Python on every call (120–240 µs of
     host time for these kernels' ~45 arguments on the H200, more than a small GEMM's GPU time). The
     kernels specialize on nothing but their constexprs, the dtypes of their operands and whether an
     integer needs 64 bits (integers are `do_not_specialize`; every pointer is 16-byte aligned: TMA
     requires it, the allocator gives it), so the caller names the variant by those (`variant`, with
-    the device) and it is launched through its compiled handle. Should a Triton version launch
+    the device) and it is launched through its compiled handle (`_Handle`), found once per launcher
+    (a `_Layout` keeps its launchers: a checked call builds no key). Should a Triton version launch
     differently, the first failure turns this off (with a warning) and every launch takes Triton's
-    own path."""
-    global _direct_launch
-    token = None
-    if _ALLOCATOR_VAR is not None:
-        if _ALLOCATOR_VAR.get() is not _SCRATCH:
-            token = _ALLOCATOR_VAR.set(_SCRATCH)
-    elif not INTERPRET:
-        triton.set_allocator(_SCRATCH)
-    try:
-        if not _direct_launch:
-            kernel[grid](*args, **constexprs, **options)
-            return
-        key = (kernel, variant, *constexprs.values(), *options.values())
-        handle = _COMPILED.get(key)
-        if handle is None or _hooked():
-            compiled = kernel[grid](*args, **constexprs, **options)
-            if handle is None:
-                _COMPILED[key] = _Handle.of(compiled)
-            return
+    own path; so does a launch while a launch hook (a profiler) is installed."""
+
+    __slots__ = ("constants", "constexprs", "handle", "kernel", "key", "options")
+
+    def __init__(self, kernel, constexprs: dict, options: dict, variant: tuple) -> None:
+        self.kernel, self.constexprs, self.options = kernel, constexprs, options
+        self.key = (kernel, variant, *constexprs.values(), *options.values())
+        self.constants = tuple(constexprs.values())  # the handle takes every parameter, constexprs last
+        self.handle: _Handle | None = None
+
+    def __call__(self, grid: tuple[int, ...], args: tuple) -> None:
+        global _direct_launch
+        token = None
+        if _ALLOCATOR_VAR is not None:
+            if _ALLOCATOR_VAR.get() is not _SCRATCH:
+                token = _ALLOCATOR_VAR.set(_SCRATCH)
+        elif not INTERPRET:
+            triton.set_allocator(_SCRATCH)
         try:
-            # What Triton's own launch does once the variant is known: the current device's current
-            # stream, three grid sizes, no launch metadata (no hook is installed), every parameter.
-            driver = triton.runtime.driver.active
-            stream = driver.get_current_stream(driver.get_current_device())
-            grid3 = (*grid, 1, 1)
-            handle.run(grid3[0], grid3[1], grid3[2], stream, handle.function, handle.metadata, None, None, None, *args,
-                       *constexprs.values())  # fmt: skip
-        except Exception as error:  # any failure: fall back for good, loudly
-            _direct_launch = False
-            warnings.warn(f"aegis-sdc: direct kernel launch failed ({error!r}); using Triton's launch path",
-                          stacklevel=2)  # fmt: skip
-            kernel[grid](*args, **constexprs, **options)
-    finally:
-        if token is not None:
-            _ALLOCATOR_VAR.reset(token)
+            if not _direct_launch:
+                self.kernel[grid](*args, **self.constexprs, **self.options)
+                return
+            handle = self.handle or _COMPILED.get(self.key)
+            if handle is None or _hooked():
+                compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
+                if handle is None:
+                    handle = _COMPILED[self.key] = _Handle.of(compiled)
+                self.handle = handle
+                return
+            self.handle = handle
+            try:
+                # What Triton's own launch does once the variant is known: the current device's
+                # current stream, three grid sizes, no launch metadata (no hook), every parameter.
+                driver = triton.runtime.driver.active
+                stream = driver.get_current_stream(driver.get_current_device())
+                grid3 = (*grid, 1, 1)
+                handle.run(grid3[0], grid3[1], grid3[2], stream, handle.function, handle.metadata, None, None, None,
+                           *args, *self.constants)  # fmt: skip
+            except Exception as error:  # any failure: fall back for good, loudly
+                _direct_launch = False
+                warnings.warn(f"aegis-sdc: direct kernel launch failed ({error!r}); using Triton's launch path",
+                              stacklevel=2)  # fmt: skip
+                self.kernel[grid](*args, **self.constexprs, **self.options)
+        finally:
+            if token is not None:
+                _ALLOCATOR_VAR.reset(token)
+
+
+def _launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict, variant: tuple) -> None:
+    """One launch of a variant named by the caller (`_Launcher`; callers that launch a variant often keep one)."""
+    _Launcher(kernel, constexprs, options, variant)(grid, args)
 
 
 def _wide(*ints: int) -> bool:
@@ -606,6 +631,8 @@ class _Layout:
     evidence: tuple[int, dict] | None  # the second launch's programs and constexprs (evidence, by-product)
     counters: int  # counters the evidence needs
     fill: _Fillers  # the device's fillers for absent tensors
+    gemm_launcher: _Launcher
+    evidence_launcher: _Launcher | None
 
     @classmethod
     def of(cls, key: tuple, buffer: Callable) -> _Layout:
@@ -677,10 +704,11 @@ class _Layout:
                                    BN=bn))  # fmt: skip
         # fault row/column/mask are in the i32 range by construction (indices, a 32-bit mask)
         variant = (dev, *key[6:10], _wide(*strides, *shape_ints))
-        return cls((min(num_sms(dev), tiles_m * tiles_n),), constexprs,
-                   dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), variant, parts, results, strides,
+        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return cls((min(num_sms(dev), tiles_m * tiles_n),), constexprs, options, variant, parts, results, strides,
                    shape_ints, evidence, inline, second, counters_needed(m, n, cfg) if evidence or inline else 0,
-                   fill)  # fmt: skip
+                   fill, _Launcher(checked_gemm_kernel, constexprs, options, variant),
+                   None if second is None else _Launcher(evidence_kernel, second[1], _EVIDENCE_OPTIONS, variant))  # fmt: skip
 
 
 _LAYOUTS: dict[tuple, _Layout] = {}
@@ -815,12 +843,12 @@ def launch_checked_gemm(
             counters if counters is not None else fill.i32, stats, stats_f64, pool_data, pool_f32, pool_counter,
             *thresholds, *layout.strides, int(frow), int(fcol), float(fdelta), int(fmask),
             *layout.shape_ints)  # fmt: skip
-    _launch(checked_gemm_kernel, layout.grid, args, layout.constexprs, layout.options, layout.variant)
+    layout.gemm_launcher(layout.grid, args)
     if layout.evidence is not None:
-        blocks, constexprs = layout.evidence
+        blocks, _ = layout.evidence
         args = (a, b, *layout.parts, byproduct if byproduct is not None else fill.f64,
                 byproduct_side if byproduct_side is not None else out,
                 counters if counters is not None else pool_counter, stats, stats_f64, pool_data, pool_f32,
                 pool_counter, *thresholds, m, n, k, *layout.strides[:2], *layout.strides[3:])  # fmt: skip
-        _launch(evidence_kernel, (blocks,), args, constexprs, _EVIDENCE_OPTIONS, layout.variant)
+        layout.evidence_launcher((blocks,), args)
     return GemmLaunch(*layout.results, byproduct)

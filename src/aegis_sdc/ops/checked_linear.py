@@ -168,8 +168,8 @@ class LinearHooks:
     def use_triton(self, x2d: torch.Tensor, weight: torch.Tensor) -> bool:
         if self.backend == "reference" or self.state is None:
             return False
-        if self.backend == "auto" and x2d.device.type != "cuda":
-            return False
+        if self.backend == "auto":  # on CUDA the caller found no `gpu_gap` before planning this call
+            return x2d.device.type == "cuda"
         return triton_linear.usable(x2d, weight)
 
     def counters_for(self, kind: str, m: int, n: int, k: int, device: torch.device) -> torch.Tensor:

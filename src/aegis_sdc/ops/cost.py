@@ -20,8 +20,9 @@ import torch
 from aegis_sdc.kernels import triton_gemm as tg
 from aegis_sdc.kernels.gemm_side import SideMatrix
 from aegis_sdc.kernels.reference import Tiling, checked_gemm
+from aegis_sdc.kernels.weight_sums import WeightSideBuffers, weight_side_matrices
 from aegis_sdc.ops.checked_attention import attention_flops, checked_attention
-from aegis_sdc.ops.triton_linear import WeightStats, row_sums
+from aegis_sdc.ops.triton_linear import row_sums
 
 ORIENTATION = {"fwd": (False, True), "dgrad": (False, False), "wgrad": (True, False)}  # (A stored ᵀ, B stored ᵀ)
 WARMUP, REPEATS = 2, 7
@@ -78,8 +79,10 @@ def check_cost_ms(
     plain = _median_ms(lambda: a_log @ b_log, device)
     extra = 0.0
     if triton and kind != "wgrad":  # the weight is B (stored [N, K] in forward, [K, N] in dgrad): its
-        # sums and side matrices, once per step (shared by forward and dgrad: counted with each)
-        extra = _median_ms(lambda: [SideMatrix.of(v, dtype) for v in WeightStats.compute(b)], device)
+        # sums and side matrices, once per step (shared by forward and dgrad: counted with each), into
+        # buffers kept from step to step; alone, as the upper bound of its share of a grouped pass
+        buffers = WeightSideBuffers.empty(b)
+        extra = _median_ms(lambda: weight_side_matrices(b, out=buffers), device)
         if col_check:  # u1 = 1ᵀA: a pass over the activation
             extra += _median_ms(lambda: SideMatrix.of(a.sum(dim=0, dtype=torch.float64), dtype), device)
     if triton and kind == "wgrad":  # X·1 (and dY·1 for the column side): a pass over each operand
