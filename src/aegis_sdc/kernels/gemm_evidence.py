@@ -8,15 +8,16 @@ and folding the block maximum into a packed (value, index) atomic max of the lau
 When every block is finished, one program compares the maxima with the site's thresholds and, on an
 alarm, copies the replay context into a free slot of the capture pool.
 
-Two ways to run it (`TritonGemmConfig.inline_evidence`):
-- `evidence_kernel` (the default): a second launch right after the GEMM on the same stream, one
-  program per block; 1–2% of a large GEMM's device time on the H200. It also finishes the by-product
-  A·1 (and its S) that a later wgrad check reads, also for an unchecked call that asks for it.
-- inline: inside the GEMM launch. A tile's program counts the tile's arrival at its row (column)
-  block one tile later — after the next tile's K loop, when the tile's stores have long landed — and
-  the program that completes a block finishes it; the program that finishes the last block
-  concludes. Counters reset themselves. One launch, but the per-tile release and barrier cost 2–17% of
-  the GEMM on the H200.
+Two ways to run it (`TritonGemmConfig.inline_evidence`); either also finishes the by-product A·1
+(and its S) that a later wgrad check reads, also for an unchecked call that asks for it:
+- inline (the default): inside the GEMM launch, so a checked GEMM is one launch. A tile's program
+  counts the tile's arrival at its row (column) block one tile later — after the next tile's K loop,
+  when the tile's stores have long landed (`count_arrival`: two atomics, the accumulator live) — and
+  finishes a block that arrival completed at the end of that loop body, where the accumulator is
+  dead (`finish_blocks`); the program that finishes the last block concludes. Counters reset
+  themselves. On the H200 this costs the GEMM more device time than the second launch does
+  (benchmarks/results/gemm_diagnose.json) but saves that launch's host time.
+- `evidence_kernel`: a second launch right after the GEMM on the same stream, one program per block.
 
 Layout of the evidence slot (int64 [STATS_LEN]), decoded by sensors.gemm.decode_triton_stats.
 """

@@ -1,7 +1,9 @@
 """W·1 and Wᵀ·1 of a weight W [N, K] in one pass over it (fp64 sums), and their side matrices, in Triton.
 
 The reference sides of a Linear's forward (c = Wᵀ·1 [K]) and dgrad (c = W·1 [N]) need both sums of
-its weight once per step, as S matrices (kernels/gemm_side.py). Two launches per weight and step:
+its weight once per step, as S matrices (kernels/gemm_side.py). Two launches per step for one weight,
+or for a group of weights of one shape (`GroupSums`: a device table of their addresses and output
+slots, a third grid dimension over the weights; a step's active weights of one shape together):
 
 - `weight_blocks_kernel`: W cut into blocks of R rows × KC columns, one program each (a grid of
   ⌈N/R⌉·⌈K/KC⌉ programs: every SM busy, one read of W at full bandwidth); a program writes its
@@ -139,7 +141,8 @@ def _launch_sums(w: torch.Tensor, table: torch.Tensor | None, count: int, out: W
     s_col = out.s_col if side else col_sum
     grouped = table is not None
     table = table if grouped else row_sum  # never read
-    wide = tg._wide(w.stride(0), n, k, count * row_parts * n, count * col_parts * k, row_sum.numel() * SIDE_COLUMNS)
+    largest = max(count * row_parts * n, count * col_parts * k, max(row_sum.numel(), col_sum.numel()) * SIDE_COLUMNS)
+    wide = tg._wide(w.stride(0), n, k, largest)
     variant = (dev, w.dtype, wide)
     tg._launch(weight_blocks_kernel, (col_parts, row_parts, count), (w, table, w.stride(0), row_part, col_part, n, k),
                dict(GROUPED=grouped, DT=tg._TL_DTYPES[w.dtype], R=rows, BR=32, KC=cols), dict(num_warps=4),
