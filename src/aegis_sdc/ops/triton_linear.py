@@ -265,8 +265,8 @@ class ByproductPool:
     def __init__(self) -> None:
         self._step: int | None = None
         self._used = 0
-        self._buffers: list[tuple[int, Byproduct]] = []  # (capacity in rows, buffer), by call index
-        self._views: list[Byproduct | None] = []  # the buffer's view at the last size handed out
+        self._buffers: list[Byproduct] = []  # by call index, each as long as the longest call it served
+        self._views: list[Byproduct] = []  # the buffer's view at the length last handed out
 
     def take(self, step: int, m: int, dtype: torch.dtype, device: torch.device) -> Byproduct:
         if step != self._step:
@@ -275,19 +275,19 @@ class ByproductPool:
         self._used += 1
         if index >= self.MAX_PER_STEP:
             return Byproduct.empty(m, dtype, device)
-        if index < len(self._buffers):
+        if index < len(self._views):
             view = self._views[index]
-            if view is not None and view.vec.shape[0] == m and view.dtype == dtype and view.vec.device == device:
+            if view.vec.shape[0] == m and view.dtype == dtype and view.vec.device == device:
                 return view
-            capacity, buffer = self._buffers[index]
-            if capacity < m or buffer.dtype != dtype or buffer.vec.device != device:
-                capacity, buffer = m, Byproduct.empty(m, dtype, device)
-                self._buffers[index] = (capacity, buffer)
+            buffer = self._buffers[index]
+            if buffer.vec.shape[0] < m or buffer.dtype != dtype or buffer.vec.device != device:
+                buffer = self._buffers[index] = Byproduct.empty(m, dtype, device)
         else:
-            capacity, buffer = m, Byproduct.empty(m, dtype, device)
-            self._buffers.append((capacity, buffer))
-            self._views.append(None)
-        # variable lengths: a view of the largest buffer (made when the length changes, not per call)
+            buffer = Byproduct.empty(m, dtype, device)
+            self._buffers.append(buffer)
+            self._views.append(buffer)
+            return buffer
+        # variable lengths: a view of the longest buffer (made when the length changes, not per call)
         matrix = None if buffer.matrix is None else buffer.matrix[:m]
         view = self._views[index] = Byproduct(buffer.vec[:m], matrix, dtype)
         return view
@@ -437,5 +437,5 @@ def run(
             weight_stats=weight_stats,
             pooled=True,  # the weight's sums and the by-products are reused next step: a capture copies them
         )
-        sensor.observe_triton(plan, call, stats, (m, k, n))
+        sensor.observe_triton(plan, call, stats, thresholds)  # a checked call's: computed above
     return result

@@ -237,8 +237,9 @@ class GemmSensor:
         capture = self._capture_if_alarmed(stats, operands, result, plan)
         self.recorder.append(CallRecord(self, plan, stats, capture, alarm=capture is not None))
 
-    def observe_triton(self, plan: CallPlan, call, raw: torch.Tensor | None, shape: tuple[int, int, int]) -> None:
-        """A Triton launch planned by this sensor; its evidence stays on the device until step end."""
+    def observe_triton(self, plan: CallPlan, call, raw: torch.Tensor | None, thresholds: tuple[float, float]) -> None:
+        """A Triton launch planned by this sensor (`thresholds`: those it ran with); its evidence stays
+        on the device until step end."""
         if not self._executed(plan):
             return
         self.triton = True
@@ -249,9 +250,7 @@ class GemmSensor:
             # keep a copy of what a rows capture would reference (one pass over the weight per check).
             call.b = None if call.b is None else call.b.clone()
             call.bias = None if call.bias is None else call.bias.clone()
-        self.recorder.append(
-            CallRecord(self, plan, None, None, raw=raw, triton_call=call, thresholds=self.thresholds(*shape))
-        )
+        self.recorder.append(CallRecord(self, plan, None, None, raw=raw, triton_call=call, thresholds=thresholds))
 
     def _capture_if_alarmed(
         self, stats: torch.Tensor, operands: GemmOperands, result: GemmChecksums, plan: CallPlan
