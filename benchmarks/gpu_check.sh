@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work each (a call is limited to 10 minutes):
-#   kernel        the checked GEMM's GPU tests, the accumulation-noise diagnostic, one model's GEMM speed
+#   kernel        the checked GEMM's tests on the GPU (all of them: the small-shape ones, which compare
+#                 the paths against each other, run on CUDA there too), the accumulation-noise
+#                 diagnostic, one model's GEMM speed
 #   diagnose      where a checked GEMM's time goes (results/gemm_diagnose.json) and a host profile of launches
 #   tune          choose the configuration per shape class (benchmarks/gemm_tune.py → results/gemm_tune.json)
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
@@ -10,7 +12,7 @@
 #   attention-sensitivity  detection per stage and check, false alarms (results/sensitivity_attention_triton.json)
 #   attention-routed       protected models with attention on the Triton kernels: the attention and hot-path GPU
 #                          tests (no host sync per call), and the HF step unprotected / 1% budget / full
-#   tests         every GPU-marked test
+#   tests         every GPU-marked test, then the kernels' small-shape tests on CUDA
 #   e2e-eager | e2e-compiled | e2e-own   the end-to-end step record (results/e2e_step.json)
 # Writes logs and results under $OUT (the device's output folder) or ./gpu-out.
 set -uo pipefail
@@ -21,7 +23,7 @@ mkdir -p "$out"
 results=benchmarks/results/e2e_step.json
 case "${1:-tests}" in
   kernel)
-    timeout 300 python -m pytest -q -m gpu tests/test_triton_gemm.py tests/test_triton_linear.py -p no:cacheprovider \
+    timeout 300 python -m pytest -q tests/test_triton_gemm.py tests/test_triton_linear.py -p no:cacheprovider \
       2>&1 | tee "$out/kernel_tests.log" | tail -30
     timeout 120 python benchmarks/noise_gpu.py 2>&1 | tee "$out/noise_gpu.log"
     timeout 150 python benchmarks/gemm.py --models tinyllama-1.1b --tokens 8192 --out "$out/gemm_tinyllama.json" \
@@ -60,7 +62,9 @@ case "${1:-tests}" in
     timeout 330 python benchmarks/e2e_step.py --workloads hf --configs unprotected,budget_1pct,full --rounds 3 \
       --triton-attention --out "$out/e2e_attention.json" 2>&1 | grep -v Warn | tee "$out/e2e_attention.log" ;;
   tests)
-    timeout 560 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
+    timeout 420 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40
+    timeout 140 python -m pytest -q -m "not gpu" tests/test_triton_gemm.py -p no:cacheprovider 2>&1 \
+      | tee "$out/gpu_small_shape_tests.log" | tail -15 ;;
   e2e-eager)
     timeout 560 python benchmarks/e2e_step.py --workloads hf --modes eager --profile "$out" --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_eager.log"

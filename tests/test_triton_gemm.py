@@ -450,6 +450,49 @@ def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape):
 
 
 @pytest.mark.gpu
+def test_gpu_evidence_inside_the_launch_agrees_with_a_second_launch_back_to_back():
+    # The training step's way of launching: checked GEMMs of every shape class and kind (forwards
+    # with their by-product, dgrads, wgrads with the column check) queued back to back on one stream
+    # with the shared workspaces (`scratch`), nothing synchronized between them — then each launch's
+    # evidence against the same GEMM's evidence from a second launch (fresh buffers, fixed-order sums).
+    # The maxima may differ by fp64 rounding of the sums' order (1e-6 of them is far above it), the
+    # indices and verdicts not at all; the by-products to a few fp64 ulps.
+    dtype = torch.bfloat16
+    inline_runs, separate_runs = [], []
+    for rep in range(3):
+        for shape in SHAPE_TABLE:
+            for kind in ("fwd", "dgrad", "wgrad"):
+                m, k, n = shape
+                a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=rep)
+                A, B = logical
+                rows, cols = A.shape[0], B.shape[1]
+                col = kind == "wgrad"
+                base = tg.config_for(rows, cols, A.shape[1])
+                vecs = dict(cvec=B.double().sum(1), u1=A.double().sum(0) if col else None)
+                for inline, runs in ((True, inline_runs), (False, separate_runs)):
+                    cfg = dataclasses.replace(base, inline_evidence=inline)
+                    stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=DEVICE)
+                    vec = torch.empty(rows, dtype=torch.float64, device=DEVICE) if kind == "fwd" else None
+                    tg.launch_checked_gemm(
+                        a, b, torch.empty(rows, cols, dtype=dtype, device=DEVICE), a_t=flags[0], b_t=flags[1],
+                        **vecs, row_check=True, row_side=True, col_check=col, stats=stats,
+                        counters=torch.zeros(tg.counters_needed(rows, cols, cfg), dtype=torch.int32, device=DEVICE),
+                        row_threshold=1e30, col_threshold=1e30, byproduct=vec, cfg=cfg, scratch=inline,
+                    )  # fmt: skip
+                    runs.append((shape, kind, stats, vec))
+    torch.cuda.synchronize()
+    for (shape, kind, stats1, vec1), (_, _, stats2, vec2) in zip(inline_runs, separate_runs, strict=True):
+        ev1, ev2 = decode(stats1), decode(stats2)
+        label = f"{kind} {shape}"
+        for key in ("row_index", "col_index", "nonfinite", "alarm", "done"):
+            assert ev1[key] == ev2[key], (label, key, ev1, ev2)
+        for key in ("row", "col"):
+            assert ev1[key] == pytest.approx(ev2[key], rel=1e-6), (label, key, ev1, ev2)
+        if vec1 is not None:
+            assert torch.all((vec1 - vec2).abs() <= 8 * torch.finfo(torch.float64).eps * vec2.abs()), label
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_bf16_values_checksums_and_faults(kind, shape):
