@@ -41,7 +41,20 @@ def orientation(kind: str, m: int, k: int, n: int, dtype, seed=0):
     return a, b, flags, (logical[0].to(dtype).to(DEVICE), logical[1].to(dtype).to(DEVICE))
 
 
-def launch(a, b, flags, logical, dtype, *, fault=None, thresholds=(float("inf"), float("inf")), col=True, cfg=None):
+def launch(
+    a,
+    b,
+    flags,
+    logical,
+    dtype,
+    *,
+    fault=None,
+    thresholds=(float("inf"), float("inf")),
+    col=True,
+    cfg=None,
+    byproduct=None,
+    scratch=False,
+):
     A, B = logical
     m, n = A.shape[0], B.shape[1]
     cfg = cfg or tg.config_for(m, n, A.shape[1])
@@ -54,7 +67,7 @@ def launch(a, b, flags, logical, dtype, *, fault=None, thresholds=(float("inf"),
     result = tg.launch_checked_gemm(
         a, b, out, a_t=flags[0], b_t=flags[1], **vecs, row_check=True, row_side=True, col_check=col,
         stats=stats, counters=counters, pool=pool, capture=kind, row_threshold=thresholds[0],
-        col_threshold=thresholds[1], fault=fault, cfg=cfg,
+        col_threshold=thresholds[1], fault=fault, byproduct=byproduct, cfg=cfg, scratch=scratch,
     )  # fmt: skip
     call = TritonGemmCall(
         a_t=flags[0], b_t=flags[1], m=m, n=n, k=A.shape[1], dtype=dtype, cfg=cfg, capture_kind=kind,
@@ -462,23 +475,14 @@ def test_gpu_evidence_inside_the_launch_agrees_with_a_second_launch_back_to_back
     for rep in range(3):
         for shape in SHAPE_TABLE:
             for kind in ("fwd", "dgrad", "wgrad"):
-                m, k, n = shape
-                a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=rep)
-                A, B = logical
-                rows, cols = A.shape[0], B.shape[1]
-                col = kind == "wgrad"
-                base = tg.config_for(rows, cols, A.shape[1])
-                vecs = dict(cvec=B.double().sum(1), u1=A.double().sum(0) if col else None)
+                a, b, flags, logical = orientation(kind, *shape, dtype, seed=rep)
+                rows, inner, cols = logical[0].shape[0], logical[0].shape[1], logical[1].shape[1]
+                base = tg.config_for(rows, cols, inner)
                 for inline, runs in ((True, inline_runs), (False, separate_runs)):
-                    cfg = dataclasses.replace(base, inline_evidence=inline)
-                    stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=DEVICE)
                     vec = torch.empty(rows, dtype=torch.float64, device=DEVICE) if kind == "fwd" else None
-                    tg.launch_checked_gemm(
-                        a, b, torch.empty(rows, cols, dtype=dtype, device=DEVICE), a_t=flags[0], b_t=flags[1],
-                        **vecs, row_check=True, row_side=True, col_check=col, stats=stats,
-                        counters=torch.zeros(tg.counters_needed(rows, cols, cfg), dtype=torch.int32, device=DEVICE),
-                        row_threshold=1e30, col_threshold=1e30, byproduct=vec, cfg=cfg, scratch=inline,
-                    )  # fmt: skip
+                    _, _, stats, _, _ = launch(a, b, flags, logical, dtype, thresholds=(1e30, 1e30),
+                                               col=kind == "wgrad", byproduct=vec, scratch=inline,
+                                               cfg=dataclasses.replace(base, inline_evidence=inline))  # fmt: skip
                     runs.append((shape, kind, stats, vec))
     torch.cuda.synchronize()
     for (shape, kind, stats1, vec1), (_, _, stats2, vec2) in zip(inline_runs, separate_runs, strict=True):
