@@ -1,11 +1,11 @@
 """Where a checked GEMM's time goes (GPU diagnostic): the parts of a check switched on one by one.
 
 For a few shapes, device time (`common.device_ms`: CUDA-graph replays) of: cuBLAS; our kernel
-unchecked; with the reference side only (no partials, no evidence); with the epilogue partials only (no side, no
-evidence); the full row check with evidence inside the launch and in a second launch; the by-product
-A·1 alone, inside and in a second launch (the tile counting without the evidence's finishing); the
-wgrad's row+col check. Then the host time per launch (launches queued back to back,
-no synchronization), and the registers and spills of every compiled variant.
+unchecked; with the reference side only (no partials, no evidence); with the epilogue partials only
+(no side, no evidence); the full row check with evidence inside the launch and in a second launch;
+the by-product A·1 alone, inside and in a second launch; the wgrad's row+col check. Then the host
+time per launch (launches queued back to back, no synchronization), and the registers and spills of
+every compiled variant.
 
     python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--out benchmarks/results/gemm_diagnose.json]
 """
@@ -60,7 +60,17 @@ def _variant_of(compiled) -> str:
     try:
         names = compiled.src.fn.arg_names
         constants = {names[key[0]]: value for key, value in compiled.src.constants.items()}
-        wanted = ("ROW_CHECK", "ROW_SIDE", "COL_CHECK", "EVIDENCE", "BYPRODUCT", "SIDE_OUT", "BM", "BN", "A_T")
+        wanted = (
+            "ROW_CHECK",
+            "ROW_SIDE",
+            "COL_CHECK",
+            "EVIDENCE",
+            "BYPRODUCT",
+            "SIDE_OUT",
+            "BM",
+            "BN",
+            "A_T",
+        )
         return " ".join(f"{name}={constants[name]}" for name in wanted if name in constants)
     except (AttributeError, IndexError, KeyError, TypeError):
         return "?"

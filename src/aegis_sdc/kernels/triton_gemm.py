@@ -56,9 +56,10 @@ from aegis_sdc.kernels.gemm_evidence import (  # noqa: F401  (the evidence layou
     ST_ROW_L2SQ,
     ST_SLOT,
     STATS_LEN,
-    count_arrival,
+    add_totals,
     evidence_kernel,
-    finish_blocks,
+    fence_gpu,
+    finish_launch,
 )
 from aegis_sdc.kernels.gemm_side import (
     SIDE_COLUMNS,
@@ -103,7 +104,8 @@ def _load_b(b_desc, off_n, k, B_T: tl.constexpr, UPCAST: tl.constexpr):
 def _main_loop(a_desc, b_desc, off_m, off_n, k_tiles, A_T: tl.constexpr, B_T: tl.constexpr, UPCAST: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     """acc [BM, BN] = A·B of one tile, its K tiles in one fixed order: the unchecked GEMM's loop, one
-    MMA per step (the checks add nothing inside it)."""
+    MMA per step (the checks add nothing inside it: a narrow side MMA on the steps of the tile's K
+    slice, tried on the H200, made the loop 10–50% slower than the side after it)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(k_tiles):
         acc = tl.dot(_load_a(a_desc, off_m, ki * BK, A_T, UPCAST), _load_b(b_desc, off_n, ki * BK, B_T, UPCAST), acc)
@@ -111,12 +113,15 @@ def _main_loop(a_desc, b_desc, off_m, off_n, k_tiles, A_T: tl.constexpr, B_T: tl
 
 
 @triton.jit
-def _side_part(x_desc, s_desc, scale_ptr, off, part, parts, k_tiles, ref_ptr, ones_ptr, size,
-               ROW: tl.constexpr, X_T: tl.constexpr, ONES: tl.constexpr, UPCAST: tl.constexpr,
-               R: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+def _side_part(x_desc, s_desc, scale_ptr, off, part, parts, k_tiles, ref_ptr, ones_ptr, diff_total_ptr,
+               ones_total_ptr, size, ROW: tl.constexpr, X_T: tl.constexpr, ONES: tl.constexpr,
+               REF_TOTAL: tl.constexpr, ONES_TOTAL: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr,
+               BK: tl.constexpr):  # fmt: skip
     """One K slice of a reference side: X·S over K tiles [part·k_tiles/parts, (part+1)·k_tiles/parts)
     for the R rows of X from `off` — X = A's row block (ROW) or Bᵀ's column block — in one fp32
-    chain, then in fp64 to ref_ptr[part, off:off+R] (and the ones column to ones_ptr)."""
+    chain, re-reading the slice's X tiles; then in fp64 to ref_ptr[part, off:off+R] (and the ones
+    column to ones_ptr), and where the evidence inside the launch reads them, subtracted from the
+    difference totals and the ones added to theirs (gemm_evidence.finish_launch)."""
     k_lo = part * k_tiles // parts
     k_hi = (part + 1) * k_tiles // parts
     side = tl.zeros((R, SIDE_N), dtype=tl.float32)
@@ -129,6 +134,10 @@ def _side_part(x_desc, s_desc, scale_ptr, off, part, parts, k_tiles, ref_ptr, on
     tl.store(ref_ptr + part * size + offs, ref, mask=mask)
     if ONES:
         tl.store(ones_ptr + part * size + offs, ones, mask=mask)
+    if REF_TOTAL:
+        add_totals(diff_total_ptr, offs, mask, -ref)
+    if ONES_TOTAL:
+        add_totals(ones_total_ptr, offs, mask, ones)
 
 
 # Integer arguments are not specialized on their values (a shape seen for the first time reuses the
@@ -157,7 +166,8 @@ def checked_gemm_kernel(
     colref_ptr,  # [col_parts, N] fp64 out: u1ᵀB per K slice (slice i from the tiles of row block i)
     byproduct_ptr,  # [M] fp64 out (BYPRODUCT, inline): A·1
     side_out_ptr,  # [M, 16] out (SIDE_OUT, inline): S(A·1), as a later wgrad's side reads it
-    counters_ptr,  # int32 [1 + tiles_m + tiles_n], zero (see gemm_evidence.count_arrival)
+    counters_ptr,  # int32 [1], zero: programs done (inline evidence), left zero
+    totals_ptr,  # fp64 [3·M + 2·N], zero: the launch's sums (gemm_evidence.finish_launch), left zero
     stats_ptr,  # int64 [STATS_LEN], zero
     stats_f64_ptr,  # the same slot as fp64
     pool_data_ptr,
@@ -187,7 +197,7 @@ def checked_gemm_kernel(
     ROW_SIDE: tl.constexpr,  # A·c and A·1
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
-    EVIDENCE: tl.constexpr,  # blocks finished inside this launch: evidence and by-product (gemm_evidence)
+    EVIDENCE: tl.constexpr,  # evidence and by-product finished inside this launch (gemm_evidence)
     BYPRODUCT: tl.constexpr,
     SIDE_OUT: tl.constexpr,
     CAPTURE: tl.constexpr,
@@ -215,23 +225,19 @@ def checked_gemm_kernel(
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    # The tile before this one, not yet counted at its blocks (inline evidence): counted after the
-    # next tile's K loop, when its stores have landed, so its release does not wait on them. A block
-    # that count completes is finished at the end of the loop body, where the accumulator is dead.
-    prev_m = tl.program_id(0) * 0 - 1
-    prev_n = prev_m
+    replay = side_all != 0
+    # Inline evidence: fp64 totals [3·M + 2·N] — row differences Σ_j acc − A·c, row sums of squares,
+    # A·1; column differences and sums of squares — that every tile adds its share to
+    row_diff = totals_ptr
+    row_sq_total = totals_ptr + M
+    ones_total = totals_ptr + 2 * M
+    col_diff = totals_ptr + 3 * M
+    col_sq_total = col_diff + N
     for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
         acc = _main_loop(a_desc, b_desc, off_m, off_n, k_tiles, A_T, B_T, UPCAST, BM, BN, BK)
-
-        row_done = prev_m * 0 - 1
-        col_done = row_done
-        if EVIDENCE:
-            if prev_m >= 0:
-                row_done, col_done = count_arrival(prev_m, prev_n, counters_ptr, M, N, ROW_CHECK, BYPRODUCT, SIDE_OUT,
-                                                   COL_CHECK, BM, BN)  # fmt: skip
         offs_m = off_m + tl.arange(0, BM)
         offs_n = off_n + tl.arange(0, BN)
         mask_m = offs_m < M
@@ -248,43 +254,51 @@ def checked_gemm_kernel(
             out = out + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         out = out.to(c_ptr.dtype.element_ty)
         if ROW_CHECK:
-            tl.store(row_part_ptr + pid_n * M + offs_m, tl.sum(acc, axis=1), mask=mask_m)
-            tl.store(rsq_part_ptr + pid_n * M + offs_m, tl.sum(acc * acc, axis=1), mask=mask_m)
+            row_sum = tl.sum(acc, axis=1)
+            row_sq = tl.sum(acc * acc, axis=1)
+            tl.store(row_part_ptr + pid_n * M + offs_m, row_sum, mask=mask_m)
+            tl.store(rsq_part_ptr + pid_n * M + offs_m, row_sq, mask=mask_m)
             tl.store(out_part_ptr + pid_n * M + offs_m, tl.sum(out.to(tl.float32), axis=1), mask=mask_m)
+            if EVIDENCE:
+                add_totals(row_diff, offs_m, mask_m, row_sum.to(tl.float64))
+                add_totals(row_sq_total, offs_m, mask_m, row_sq.to(tl.float64))
         if COL_CHECK:
-            tl.store(col_part_ptr + pid_m * N + offs_n, tl.sum(acc, axis=0), mask=mask_n)
-            tl.store(csq_part_ptr + pid_m * N + offs_n, tl.sum(acc * acc, axis=0), mask=mask_n)
+            col_sum = tl.sum(acc, axis=0)
+            col_sq = tl.sum(acc * acc, axis=0)
+            tl.store(col_part_ptr + pid_m * N + offs_n, col_sum, mask=mask_n)
+            tl.store(csq_part_ptr + pid_m * N + offs_n, col_sq, mask=mask_n)
+            if EVIDENCE:
+                add_totals(col_diff, offs_n, mask_n, col_sum.to(tl.float64))
+                add_totals(col_sq_total, offs_n, mask_n, col_sq.to(tl.float64))
         c_desc.store([off_m, off_n], out)
         # The reference sides, after the tile's stores are issued: this tile's K slice of its row
         # block's A·S(c) (slice pid_n of tiles_n) and of its column block's Bᵀ·S(u1) (slice pid_m),
         # re-reading the slice's operand tiles (from L2: the tile has just read them). Every tile does
         # the same small share, so none straggles; a replay of one tile (side_all) does every slice.
-        replay = side_all != 0
+        # (One streaming pass per block instead, as work items after the tiles, measured slower on the
+        # H200: a long narrow pass is latency-bound too, and it lands at the end of the launch.)
         if ROW_SIDE:
             for part in range(tl.where(replay, 0, pid_n), tl.where(replay, row_parts, pid_n + 1)):
                 _side_part(a_desc, side_c_desc, c_scale_ptr, off_m, part, row_parts, k_tiles, rowref_ptr, rowones_ptr,
-                           M, True, A_T, True, UPCAST, BM, BK)  # fmt: skip
+                           row_diff, ones_total, M, True, A_T, True, EVIDENCE and ROW_CHECK,
+                           EVIDENCE and (BYPRODUCT or SIDE_OUT), UPCAST, BM, BK)  # fmt: skip
         if COL_CHECK:
             for part in range(tl.where(replay, 0, pid_m), tl.where(replay, col_parts, pid_m + 1)):
                 _side_part(b_desc, side_u_desc, u_scale_ptr, off_n, part, col_parts, k_tiles, colref_ptr, colref_ptr,
-                           N, False, B_T, False, UPCAST, BN, BK)  # fmt: skip
-        if EVIDENCE:
-            finish_blocks(row_done, col_done, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr,
-                          rsq_part_ptr, out_part_ptr, col_part_ptr, csq_part_ptr, rowref_ptr, rowones_ptr, colref_ptr,
-                          byproduct_ptr, side_out_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold,
-                          col_threshold, M, N, K, stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK,
-                          BYPRODUCT, SIDE_OUT, DT, CAPTURE, POOL, A_T, B_T, BM, BN)  # fmt: skip
-        prev_m = pid_m
-        prev_n = pid_n
+                           col_diff, col_diff, N, False, B_T, False, EVIDENCE, False, UPCAST, BN, BK)  # fmt: skip
     if EVIDENCE:
-        if prev_m >= 0:
-            row_done, col_done = count_arrival(prev_m, prev_n, counters_ptr, M, N, ROW_CHECK, BYPRODUCT, SIDE_OUT,
-                                               COL_CHECK, BM, BN)  # fmt: skip
-            finish_blocks(row_done, col_done, counters_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr,
-                          rsq_part_ptr, out_part_ptr, col_part_ptr, csq_part_ptr, rowref_ptr, rowones_ptr, colref_ptr,
-                          byproduct_ptr, side_out_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold,
-                          col_threshold, M, N, K, stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK,
-                          BYPRODUCT, SIDE_OUT, DT, CAPTURE, POOL, A_T, B_T, BM, BN)  # fmt: skip
+        # Each thread fences its own totals, the barrier joins them, and one thread's release at gpu
+        # scope publishes them all to the last program, which acquires the count and finishes.
+        fence_gpu(UPCAST)
+        tl.debug_barrier()
+        done = tl.atomic_add(counters_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:
+            tl.store(counters_ptr, 0)
+            finish_launch(totals_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr,
+                          rowref_ptr, colref_ptr, byproduct_ptr, side_out_ptr, pool_data_ptr, pool_f32_ptr,
+                          pool_counter_ptr, row_threshold, col_threshold, M, N, K, row_parts, col_parts, stride_a,
+                          stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK, BYPRODUCT, SIDE_OUT, DT, CAPTURE, POOL, A_T,
+                          B_T, BM, BN)  # fmt: skip
 
 
 # -- host side --------------------------------------------------------------------------------------
@@ -307,9 +321,8 @@ class TritonGemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     # The evidence (and by-product) inside the GEMM launch, else in a second launch. Inside: one
-    # launch per checked GEMM, 20–50 µs less host time per call; on the H200 it costs the GEMM more
-    # device time than the second launch (row check ÷ cuBLAS 0.73–0.86 against 0.81–0.89 on the
-    # 1.1B model's large shapes; benchmarks/results/gemm_diagnose.json).
+    # launch per checked GEMM (20–50 µs less host time per call); tiles add their sums to fp64 totals
+    # and the launch's last program judges them (gemm_evidence.finish_launch).
     inline_evidence: bool = True
 
 
@@ -420,22 +433,25 @@ class CapturePool:
 
 
 def counters_needed(m: int, n: int, cfg: TritonGemmConfig) -> int:
-    """int32 counters the evidence of a C [m, n] launch uses: finished blocks, tiles per row block,
-    tiles per column block (gemm_evidence.arrive). Zero before a launch, left zero after it."""
-    return 1 + ceil_div(m, cfg.block_m) + ceil_div(n, cfg.block_n)
+    """int32 counters the evidence of a launch uses (one: programs, or blocks, done). Zero before a
+    launch, left zero after it."""
+    return 1
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
 _VIEWS: dict[tuple, torch.Tensor] = {}
 
 
-def _workspace(device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _workspace(
+    device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype, zeroed: bool = False
+) -> torch.Tensor:
     """A scratch buffer reused by every launch: the partials are written and consumed by the
     launches of one call, in stream order, before any later call's GEMM can overwrite them (the
     checked GEMMs of a process run on one stream at a time, as a training step's do). Nothing reads
     them after the call: captures copy what they keep, and the by-product A·1 that a later wgrad reads
     goes to a tensor of the caller's (`byproduct`). One flat buffer per name, grown to the largest shape
-    seen: variable sequence lengths do not pile up buffers."""
+    seen: variable sequence lengths do not pile up buffers. `zeroed`: made zero, for buffers that every
+    launch leaves zero (the inline evidence's totals)."""
     view = _VIEWS.get((device, name, dtype, shape))
     if view is not None:  # the view of the current buffer at this shape (a lookup, no tensor op)
         return view
@@ -443,7 +459,7 @@ def _workspace(device: torch.device, name: str, shape: tuple[int, ...], dtype: t
     key = (device, name, dtype)
     buffer = _WORKSPACES.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = _WORKSPACES[key] = torch.empty(numel, dtype=dtype, device=device)
+        buffer = _WORKSPACES[key] = (torch.zeros if zeroed else torch.empty)(numel, dtype=dtype, device=device)
         for stale in [k for k in _VIEWS if k[:3] == key]:  # views of the buffer it replaces
             del _VIEWS[stale]
         _LAYOUTS.clear()  # and the layouts holding them (rebuilt at their next call)
@@ -482,8 +498,10 @@ def _fillers(device: torch.device) -> _Fillers:
     return fillers
 
 
-def _fresh(device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device)
+def _fresh(
+    device: torch.device, name: str, shape: tuple[int, ...], dtype: torch.dtype, zeroed: bool = False
+) -> torch.Tensor:
+    return (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
 
 
 class _DescriptorScratch:
@@ -629,6 +647,7 @@ class _Layout:
     shape_ints: tuple[int, ...]  # side_all, row_parts, col_parts, M, N, K
     checked: bool  # evidence is computed (it needs a stats slot and counters)
     inline: bool  # evidence and by-product finished inside the GEMM launch (it needs counters)
+    totals: torch.Tensor  # fp64 [3·M + 2·N], zero (inline: the launch's sums; gemm_evidence.finish_launch)
     evidence: tuple[int, dict] | None  # the second launch's programs and constexprs (evidence, by-product)
     counters: int  # counters the evidence needs
     fill: _Fillers  # the device's fillers for absent tensors
@@ -648,11 +667,11 @@ class _Layout:
             raise ValueError("the kernel writes S(A·1) for bf16 operands only (fp16 needs a scale: SideMatrix.of)")
         if (has_byproduct or has_side_out) and not row_side:
             raise ValueError("a by-product needs the row side")
-        if side_all and (has_byproduct or evidence):
-            raise ValueError("a replay of one tile (side_all) computes no evidence or by-product")
         evidence = evidence and (row_check or col_check)
         if evidence and row_check and not row_side:
             raise ValueError("row evidence needs the row side")
+        if side_all and (has_byproduct or evidence):
+            raise ValueError("a replay of one tile (side_all) computes no evidence or by-product")
         if capture != CAPTURE_NONE and pool is None:
             raise ValueError("a capture needs a CapturePool")
         f32, f64 = torch.float32, torch.float64
@@ -706,8 +725,9 @@ class _Layout:
         # fault row/column/mask are in the i32 range by construction (indices, a 32-bit mask)
         variant = (dev, *key[6:10], _wide(*strides, *shape_ints))
         options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        totals = buffer(dev, "totals", (3 * m + 2 * n,), f64, True) if inline else fill.f64
         return cls((min(num_sms(dev), tiles_m * tiles_n),), constexprs, options, variant, parts, results, strides,
-                   shape_ints, evidence, inline, second, counters_needed(m, n, cfg) if evidence or inline else 0,
+                   shape_ints, evidence, inline, totals, second, counters_needed(m, n, cfg) if evidence or inline else 0,
                    fill, _Launcher(checked_gemm_kernel, constexprs, options, variant),
                    None if second is None else _Launcher(evidence_kernel, second[1], _EVIDENCE_OPTIONS, variant))  # fmt: skip
 
@@ -770,11 +790,11 @@ def launch_checked_gemm(
     row_threshold: float = float("inf"),
     col_threshold: float = float("inf"),
     fault: tuple[int, int, int, float, int] | None = None,  # (model, row, col, delta, xor mask)
+    byproduct: torch.Tensor | None = None,
+    byproduct_side: torch.Tensor | None = None,
     side_all: bool = False,
     row_parts: int | None = None,
     col_parts: int | None = None,
-    byproduct: torch.Tensor | None = None,
-    byproduct_side: torch.Tensor | None = None,
     evidence: bool = True,
     cfg: TritonGemmConfig | None = None,
     scratch: bool = False,
@@ -789,10 +809,10 @@ def launch_checked_gemm(
     are needed for evidence.
 
     `byproduct` (fp64 [M]) receives A·1 and `byproduct_side` ([M, 16], bf16 operands) its S, for a
-    later wgrad check: both written by the finishing launch (the evidence launch, which then also
-    runs for an unchecked call that asks for them). `side_all`: one tile computes every K slice of
-    both sides — a replay of one tile, with `row_parts` / `col_parts` set to the original launch's
-    tiles_n / tiles_m (default: this launch's). Nothing here synchronizes with the host. `scratch`:
+    later wgrad check: both written where the evidence is finished (also for an unchecked call that
+    asks for them). `side_all`: one tile computes every K slice of both sides — a replay of one tile,
+    with `row_parts` / `col_parts` set to the original launch's tiles_n / tiles_m (default: this
+    launch's). Nothing here synchronizes with the host. `scratch`:
     the partials live in buffers shared by all launches (`_workspace`), for callers that read nothing
     of the returned `GemmLaunch` (the training step); without it they are fresh tensors.
     """
@@ -841,7 +861,8 @@ def launch_checked_gemm(
             u_side.matrix if u_side is not None else no_side, c_side.scale if c_side is not None else fill.f32,
             u_side.scale if u_side is not None else fill.f32, *layout.parts,
             byproduct if byproduct is not None else fill.f64, byproduct_side if byproduct_side is not None else out,
-            counters if counters is not None else fill.i32, stats, stats_f64, pool_data, pool_f32, pool_counter,
+            counters if counters is not None else fill.i32, layout.totals, stats, stats_f64, pool_data, pool_f32,
+            pool_counter,
             *thresholds, *layout.strides, int(frow), int(fcol), float(fdelta), int(fmask),
             *layout.shape_ints)  # fmt: skip
     layout.gemm_launcher(layout.grid, args)
@@ -850,6 +871,7 @@ def launch_checked_gemm(
         args = (a, b, *layout.parts, byproduct if byproduct is not None else fill.f64,
                 byproduct_side if byproduct_side is not None else out,
                 counters if counters is not None else pool_counter, stats, stats_f64, pool_data, pool_f32,
-                pool_counter, *thresholds, m, n, k, *layout.strides[:2], *layout.strides[3:])  # fmt: skip
+                pool_counter, *thresholds, m, n, k, *layout.shape_ints[1:3], *layout.strides[:2],
+                *layout.strides[3:])  # fmt: skip
         layout.evidence_launcher((blocks,), args)
     return GemmLaunch(*layout.results, byproduct)
