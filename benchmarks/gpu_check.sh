@@ -3,6 +3,8 @@
 #   kernel        the checked GEMM's tests on the GPU (all of them: the small-shape ones, which compare
 #                 the paths against each other, run on CUDA there too), the accumulation-noise
 #                 diagnostic, one model's GEMM speed
+#   evidence      the evidence inside the launch against a second launch in a protected HF step
+#                 (results/evidence_shadow.json), and the clean alarms of full checking (results/alarms/)
 #   diagnose      where a checked GEMM's time goes (results/gemm_diagnose.json) and a host profile of launches
 #   tune          choose the configuration per shape class (benchmarks/gemm_tune.py → results/gemm_tune.json)
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
@@ -28,6 +30,12 @@ case "${1:-tests}" in
     timeout 120 python benchmarks/noise_gpu.py 2>&1 | tee "$out/noise_gpu.log"
     timeout 150 python benchmarks/gemm.py --models tinyllama-1.1b --tokens 8192 --out "$out/gemm_tinyllama.json" \
       2>&1 | tee "$out/gemm_tinyllama.log" | tail -25 ;;
+  evidence)
+    timeout 200 python benchmarks/evidence_shadow.py --out benchmarks/results/evidence_shadow.json 2>&1 | grep -v Warn \
+      | tee "$out/evidence_shadow.log" | tail -12
+    timeout 330 python benchmarks/e2e_step.py --workloads hf --configs unprotected,full --rounds 1 --steps 5 \
+      --out benchmarks/results/alarms/e2e_full.json 2>&1 | grep -v Warn | tee "$out/e2e_full.log" | tail -5
+    cp benchmarks/results/evidence_shadow.json benchmarks/results/alarms/e2e_full.json "$out/" ;;
   diagnose)
     timeout 200 python benchmarks/gemm_diagnose.py --out "$out/gemm_diagnose.json" 2>&1 | tee "$out/gemm_diagnose.log" | tail -12
     timeout 60 python benchmarks/gemm_diagnose.py --profile-host > "$out/gemm_host_profile.txt" 2>&1 ;;
@@ -77,5 +85,5 @@ case "${1:-tests}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|diagnose|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|evidence|diagnose|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac
