@@ -160,7 +160,8 @@ def test_gpu_bf16_training_clean_then_faulty(tmp_path):
 def test_byproduct_buffers_are_reused_from_step_to_step_and_never_twice_in_a_step():
     from aegis_sdc.ops.triton_linear import ByproductPool
 
-    pool, dt, device = ByproductPool(), torch.bfloat16, torch.device(DEVICE)
+    # the device as a tensor reports it (cuda:0, never bare "cuda"): the pool compares it with its buffers'
+    pool, dt, device = ByproductPool(), torch.bfloat16, torch.empty(0, device=DEVICE).device
     first, second = pool.take(0, 64, dt, device), pool.take(0, 64, dt, device)  # two calls of one step
     assert first.vec.data_ptr() != second.vec.data_ptr() and first.matrix.data_ptr() != second.matrix.data_ptr()
     again = pool.take(1, 64, dt, device)  # the next step's first call: the first call's buffer
