@@ -10,14 +10,16 @@ alarm, copies the replay context into a free slot of the capture pool.
 
 Two ways to run it (`TritonGemmConfig.inline_evidence`); either also finishes the by-product A·1
 (and its S) that a later wgrad check reads, also for an unchecked call that asks for it:
-- inline (the default): inside the GEMM launch, so a checked GEMM is one launch. A tile's program
-  counts the tile's arrival at its row (column) block one tile later — after the next tile's K loop,
-  when the tile's stores have long landed (`count_arrival`: two atomics, the accumulator live) — and
-  finishes a block that arrival completed at the end of that loop body, where the accumulator is
-  dead (`finish_blocks`); the program that finishes the last block concludes. Counters reset
-  themselves. On the H200 this costs the GEMM more device time than the second launch does
-  (benchmarks/results/gemm_diagnose.json) but saves that launch's host time.
-- `evidence_kernel`: a second launch right after the GEMM on the same stream, one program per block.
+- inline (the default): inside the GEMM launch, so a checked GEMM is one launch. Every tile adds its
+  share to fp64 totals [3·M + 2·N] of the launch with relaxed atomics (`add_totals`: row sums and
+  sums of squares of its accumulator, minus its K slice of A·c, plus its slice of A·1; the same per
+  column for a column check); each program fences, counts itself done, and the last one reads the
+  totals and leaves them zero by atomic exchange (`take_totals`), judges every row and column,
+  writes the by-product and concludes (`finish_launch`). The order of the fp64 additions varies from
+  launch to launch; the evidence moves by fp64 rounding of its terms only (~1e-16), nothing a
+  verdict can see, and the partials a replay compares stay per tile and bit-exact.
+- `evidence_kernel`: a second launch right after the GEMM on the same stream, one program per block,
+  sums in a fixed order.
 
 Layout of the evidence slot (int64 [STATS_LEN]), decoded by sensors.gemm.decode_triton_stats.
 """
@@ -220,12 +222,13 @@ def take_totals(total_ptr, offs, mask, CHUNK: tl.constexpr):
     """The launch's last program: totals [CHUNK] at offs read and put back to zero in one atomic
     exchange each (fp64 moved as its int64 bits; masked lanes read 0).
 
-    Why atomics: plain loads — `.cg`, or volatile — after the counter's acquire read rows whose
-    tiles' additions had not all arrived, in ~6–9% of the 1.1B model's launches with M = 8192
-    (normalized differences of 1e26–1e34 against ~10² from the same GEMM's second-launch evidence;
-    a fence in every thread before the release did not cure it). An exchange is performed at the
-    same point of coherence as the tiles' reductions, and it leaves zero behind atomically:
-    0 disagreements in the same runs, no slower (benchmarks/results/alarms/README.md)."""
+    Why atomics: with plain loads and stores of zero there (`.cg`, or volatile), 6–9% of the
+    launches of a protected 1.1B-model step judged wrong totals — among them rows whose dY is zero,
+    whose every addition is 0, read non-zero (normalized differences of 1e26–1e34 against ~10² from
+    the same GEMM's second-launch evidence; `benchmarks/evidence_shadow.py`), although every program
+    fences before it counts itself done. The exchange is an atomic at the same point of coherence as
+    the tiles' additions, and it reads and zeroes in one step: 0 disagreements in the same runs, and
+    no slower (benchmarks/results/alarms/README.md)."""
     bits = tl.atomic_xchg(total_ptr.to(tl.pointer_type(tl.int64)) + offs, tl.zeros((CHUNK,), dtype=tl.int64),
                           mask=mask, sem="relaxed", scope="gpu")  # fmt: skip
     return tl.where(mask, bits.to(tl.float64, bitcast=True), 0.0)
