@@ -3,7 +3,8 @@
 For a few shapes, device time (`common.device_ms`: CUDA-graph replays) of: cuBLAS; our kernel
 unchecked; with the reference side only (no partials, no evidence); with the epilogue partials only
 (no side, no evidence); the full row check with evidence inside the launch and in a second launch;
-the by-product A·1 alone, inside and in a second launch; the wgrad's row+col check. Then the host
+the row check with the by-product (the training step's checked forward and dgrad); the by-product
+A·1 alone, inside and in a second launch; the wgrad's row+col check. Then the host
 time per launch (launches queued back to back, no synchronization), and the registers and spills of
 every compiled variant.
 
@@ -36,12 +37,13 @@ def variants(case: Case) -> dict:
                    pool=case.pools[tg.CAPTURE_ROWS], capture=tg.CAPTURE_ROWS, row_threshold=1e30)  # fmt: skip
     inline = dataclasses.replace(cfg, inline_evidence=True)
     separate = dataclasses.replace(cfg, inline_evidence=False)
-    # The by-product alone (no check): inside the launch it is counted tile by tile as the evidence is,
-    # but its blocks' finishing is one short sum — what counting costs apart from finishing.
+    # The by-product A·1 (and its S) a later wgrad reads: alone (no check: what finishing it costs),
+    # and with the row check (the training step's checked forward and dgrad).
     rows = case.out.shape[0]
-    byproduct = dict(c_side=case.c_side, row_side=True, counters=case.counters,
-                     byproduct=torch.empty(rows, dtype=torch.float64, device=a.device),
-                     byproduct_side=torch.empty(rows, 16, dtype=a.dtype, device=a.device))  # fmt: skip
+    outputs = dict(byproduct=torch.empty(rows, dtype=torch.float64, device=a.device),
+                   byproduct_side=torch.empty(rows, 16, dtype=a.dtype, device=a.device))  # fmt: skip
+    byproduct = dict(c_side=case.c_side, row_side=True, counters=case.counters, **outputs)
+    training = dict(checked, **outputs)
     return {
         "unchecked": launch(),
         "side_only": launch(c_side=case.c_side, row_side=True, evidence=False),
@@ -49,6 +51,7 @@ def variants(case: Case) -> dict:
         "side_and_partials": launch(c_side=case.c_side, row_side=True, row_check=True, evidence=False),
         "row_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **checked),
         "row_separate": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": separate}, **checked),
+        "row_byproduct_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **training),
         "byproduct_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **byproduct),
         "byproduct_separate": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": separate}, **byproduct),
         "rowcol": case.ours("rowcol"),

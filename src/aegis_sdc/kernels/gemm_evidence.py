@@ -263,12 +263,15 @@ def finish_launch(totals_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_p
                   row_threshold, col_threshold, M, N, K, row_parts, col_parts, stride_a, stride_b, data_len, f32_len,
                   ROW_CHECK: tl.constexpr, COL_CHECK: tl.constexpr, BYPRODUCT: tl.constexpr, SIDE_OUT: tl.constexpr,
                   DT: tl.constexpr, CAPTURE: tl.constexpr, POOL: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr = 2048):  # fmt: skip
+                  BM: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr = 2048,
+                  SIDE_CHUNK: tl.constexpr = 256):  # fmt: skip
     """Inline evidence, run by the launch's last program once every tile has added its share to the
     totals (fp64 [3·M + 2·N]: row differences Σ_j acc − A·c, row sums of squares, A·1; column
     differences and sums of squares): the row and column evidence, the by-product A·1 (and its S),
     the verdict and an alarm's capture; every total is left zero. One program reads 16–24 bytes per
-    row and column (2048 at a time), a few µs at the 1.1B model's shapes."""
+    row and column (2048 at a time), a few µs at the 1.1B model's shapes. S(A·1) goes 256 rows at a
+    time: its [rows, 16] tile at 2048 rows spilled 544–2 388 bytes per thread of the whole kernel
+    (benchmarks/kernel_registers.py)."""
     row_packed = tl.zeros((), dtype=tl.int64)
     col_packed = row_packed
     nonfinite = row_packed
@@ -283,10 +286,10 @@ def finish_launch(totals_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_p
         tl.store(stats_ptr + _ST_COL, col_packed)
         tl.store(stats_f64_ptr + _ST_COL_L2SQ, col_l2)
     if BYPRODUCT or SIDE_OUT:
-        for start in range(0, M, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
+        for start in range(0, M, SIDE_CHUNK):
+            offs = start + tl.arange(0, SIDE_CHUNK)
             mask = offs < M
-            ones = take_totals(totals_ptr + 2 * M, offs, mask, CHUNK)
+            ones = take_totals(totals_ptr + 2 * M, offs, mask, SIDE_CHUNK)
             if BYPRODUCT:
                 tl.store(byproduct_ptr + offs, ones, mask=mask)
             if SIDE_OUT:

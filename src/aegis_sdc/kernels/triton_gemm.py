@@ -253,12 +253,17 @@ def checked_gemm_kernel(
         if HAS_BIAS:
             out = out + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         out = out.to(c_ptr.dtype.element_ty)
+        # The rounded output's row sums and its store first: then `out` is dead before the sums of
+        # squares are formed. With out, acc and acc² live at once, the row+col variants spilled
+        # 312–424 bytes per thread (ptxas for sm_90a; benchmarks/kernel_registers.py); now none.
+        if ROW_CHECK:
+            tl.store(out_part_ptr + pid_n * M + offs_m, tl.sum(out.to(tl.float32), axis=1), mask=mask_m)
+        c_desc.store([off_m, off_n], out)
         if ROW_CHECK:
             row_sum = tl.sum(acc, axis=1)
             row_sq = tl.sum(acc * acc, axis=1)
             tl.store(row_part_ptr + pid_n * M + offs_m, row_sum, mask=mask_m)
             tl.store(rsq_part_ptr + pid_n * M + offs_m, row_sq, mask=mask_m)
-            tl.store(out_part_ptr + pid_n * M + offs_m, tl.sum(out.to(tl.float32), axis=1), mask=mask_m)
             if EVIDENCE:
                 add_totals(row_diff, offs_m, mask_m, row_sum.to(tl.float64))
                 add_totals(row_sq_total, offs_m, mask_m, row_sq.to(tl.float64))
@@ -270,7 +275,6 @@ def checked_gemm_kernel(
             if EVIDENCE:
                 add_totals(col_diff, offs_n, mask_n, col_sum.to(tl.float64))
                 add_totals(col_sq_total, offs_n, mask_n, col_sq.to(tl.float64))
-        c_desc.store([off_m, off_n], out)
         # The reference sides, after the tile's stores are issued: this tile's K slice of its row
         # block's A·S(c) (slice pid_n of tiles_n) and of its column block's Bᵀ·S(u1) (slice pid_m),
         # re-reading the slice's operand tiles (from L2: the tile has just read them). Every tile does
