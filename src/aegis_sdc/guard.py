@@ -9,9 +9,10 @@ The parts, in the order a step meets them:
 - runtime/evidence.py  at the step end, the evidence travels to the host in one read, started
                        without waiting; runtime/gate.py lets a fused optimizer run meanwhile and
                        holds back its update on the device when a check alarmed;
-- here, `_conclude`    judge (alarms become vTasks) → verify (replays; thresholds adapt on false
-                       alarms; confirmed SDCs become incidents) → record (runtime/record.py: one
-                       transaction per step) → respond (policies may raise before an update lands).
+- here, `_conclude`    `_judge` (alarms become vTasks) → `_verify` (replays; thresholds adapt on
+                       false alarms; confirmed SDCs become incidents) → `_record` (runtime/record.py:
+                       one transaction per step) → `_respond` (listeners, then the policy, which may
+                       raise before an update lands: after the record, so nothing found is lost).
 
 The step ends in the optimizer's step hooks, or at `Guard.step()` for loops without an optimizer.
 """
@@ -699,14 +700,30 @@ class Guard:
         return collected
 
     def _conclude(self, collected: Collected, *, drain: bool) -> StepReport:
-        """Wait for the step's evidence; judge, verify, record and respond."""
-        step = collected.step
-        report = StepReport(step)
-        records, comm_records, fp_records = collected.records, collected.comm_records, collected.fp_records
+        """One step's evidence, end to end: read it (the step's one wait for the device), judge every
+        check, verify the alarms, record the step, respond to what was confirmed."""
+        report = StepReport(collected.step)
         started = time.perf_counter()
         synced, comm_values = step_evidence.read(collected, self.fingerprint_pool)
         self.host_wait_ms += (time.perf_counter() - started) * 1000.0
-        report.checks = len(records)
+        evidence_of = self._judge(collected, synced, comm_values, report)
+        if self.dist is not None and not drain:
+            self._exchange(collected.step, report)
+        self._verify(report, evidence_of, drain=drain)
+        self.counts["checks"] += report.checks
+        self.counts["alarms"] += len(report.alarms)
+        if collected.records or report.verdicts:
+            self._steps_seen.add(collected.step)
+        if self.injector and not self._fault_sites_named and (collected.records or collected.attention):
+            self._name_unmatched_faults(report)
+        self._record(report)
+        self._respond(report)
+        return report
+
+    def _judge(self, collected: Collected, synced: list, comm_values: list, report: StepReport) -> dict[int, Evidence]:
+        """Every check of the step against its threshold (GEMMs, collectives, attention, fingerprints):
+        an alarm becomes a vTask in the report, with its evidence (by vTask id)."""
+        report.checks = len(collected.records)
         evidence_of: dict[int, Evidence] = {}
 
         def alarm(evidence: Evidence, payload: object) -> None:
@@ -715,11 +732,11 @@ class Guard:
             report.alarms.append(task)
             evidence_of[task.id] = evidence
 
-        for record, stats in zip(records, synced, strict=True):
+        for record, stats in zip(collected.records, synced, strict=True):
             evidence = record.sensor.judge(record, stats)
             if evidence is not None:
                 alarm(evidence, record.capture)
-        for record, value in zip(comm_records, comm_values, strict=True):
+        for record, value in zip(collected.comm_records, comm_values, strict=True):
             if value > 1.0:
                 alarm(
                     Evidence(
@@ -729,27 +746,28 @@ class Guard:
                     CommCapture(record, [self.identity.rank], self.dist.ranks if self.dist else [self.identity.rank]),
                 )  # fmt: skip
             self._comm_values[self._comm_slot[record.site.id]] = value
-        attention = collected.attention
-        self.counts["attention_checks"] += len(attention)
-        for record in attention:
+        self.counts["attention_checks"] += len(collected.attention)
+        for record in collected.attention:
             evidence = AttentionSensor.judge(record)
             if evidence is not None:
                 alarm(evidence, record.capture)
-        mismatched, not_deterministic = self.fingerprints.judge(fp_records)
-        self.counts["fingerprint_checks"] += len(fp_records)
+        mismatched, not_deterministic = self.fingerprints.judge(collected.fp_records)
+        self.counts["fingerprint_checks"] += len(collected.fp_records)
         for record in mismatched:
             alarm(record.evidence(), record.capture)
         for name in not_deterministic:
             self.counts["not_deterministic_calibration"] += 1
             report.events.append(("not_deterministic", f"{name}: not deterministic — not covered", self._site_id(name)))
-        if self.dist is not None and not drain:
-            self._exchange(step, report)
+        return evidence_of
+
+    def _verify(self, report: StepReport, evidence_of: dict[int, Evidence], *, drain: bool) -> None:
+        """Queue the step's alarms, replay what is due (all of it when draining), and act on each
+        verdict: a false alarm widens its site's threshold, a confirmed SDC becomes an incident."""
         self._pending_evidence.update(evidence_of)
         self.verifier.submit(report.alarms)
         started = time.perf_counter()
-        report.verdicts = self.verifier.run(step, drain=drain)
+        report.verdicts = self.verifier.run(report.step, drain=drain)
         report.verify_ms = (time.perf_counter() - started) * 1000.0
-
         for verdict in report.verdicts:
             evidence = self._pending_evidence.pop(verdict.vtask_id)
             self.counts[verdict.kind.value] += 1
@@ -769,14 +787,9 @@ class Guard:
                 report.incidents.append(incident)
         self.incidents.extend(report.incidents)
         _log_nonfinite_inputs(report.verdicts)
-        self.counts["checks"] += report.checks
-        self.counts["alarms"] += len(report.alarms)
-        if records or report.verdicts:
-            self._steps_seen.add(step)
-        if self.injector and not self._fault_sites_named and (records or collected.attention):
-            self._name_unmatched_faults(report)
-        self._record(report)
 
+    def _respond(self, report: StepReport) -> None:
+        """Tell the listeners, then act on confirmed incidents by the configured policy (which may raise)."""
         for task in report.alarms:
             self._emit("alarm", task)
         for verdict in report.verdicts:
@@ -788,7 +801,6 @@ class Guard:
         self._emit("step", report)
         unattributed = [v for v in report.verdicts if v.kind is VerdictKind.UNATTRIBUTED]
         self.responder.respond(report.incidents, self.optimizer, unattributed)
-        return report
 
     def _name_late_boundary(self) -> None:
         """A replay found its weight already updated: the step ended after the update. Warned once."""
