@@ -1,12 +1,12 @@
-"""Evidence of the checked GEMM: per-block normalized differences, the launch's verdict, captures.
+"""Evidence of the checked GEMM: per-row (column) normalized differences, the launch's verdict, captures.
 
 The GEMM's tiles leave per-tile partials (accumulator sums and sums of squares, rounded-output sums)
-and the reference sides per K slice (tile j of a row block computed slice j of its A·c). A block
-(BM rows, or BN columns for a column check) is finished by summing
-its partials in fp64 in a fixed order, normalizing each difference |C·1 − A·c| by u·‖C_i‖ (u = 2⁻²⁴),
-and folding the block maximum into a packed (value, index) atomic max of the launch's evidence slot.
-When every block is finished, one program compares the maxima with the site's thresholds and, on an
-alarm, copies the replay context into a free slot of the capture pool.
+and the reference sides per K slice (tile j of a row block computed slice j of its A·c). The
+evidence of a row (a column, under a column check) is its normalized difference |C·1 − A·c| /
+(u·‖C_i‖), u = 2⁻²⁴, from those sums taken in fp64; the launch keeps the largest as a packed
+(value, index) in its evidence slot. When every row and column is judged, one program compares the
+maxima with the site's thresholds and, on an alarm, copies the replay context into a free slot of
+the capture pool.
 
 Two ways to run it (`TritonGemmConfig.inline_evidence`); either also finishes the by-product A·1
 (and its S) that a later wgrad check reads, also for an unchecked call that asks for it:
