@@ -140,6 +140,21 @@ def _side_part(x_desc, s_desc, scale_ptr, off, part, parts, k_tiles, ref_ptr, on
         add_totals(ones_total_ptr, offs, mask, ones)
 
 
+@triton.jit
+def _store_partials(acc, AXIS: tl.constexpr, part_ptr, sq_ptr, offs, mask, diff_total_ptr, sq_total_ptr,
+                    EVIDENCE: tl.constexpr):  # fmt: skip
+    """A tile's accumulator sums and sums of squares [R] along AXIS (1: of each row, 0: of each
+    column), stored as its partials at offs and, where the evidence is finished inside the launch,
+    added to the launch's totals (gemm_evidence.finish_launch)."""
+    total = tl.sum(acc, axis=AXIS)
+    sq = tl.sum(acc * acc, axis=AXIS)
+    tl.store(part_ptr + offs, total, mask=mask)
+    tl.store(sq_ptr + offs, sq, mask=mask)
+    if EVIDENCE:
+        add_totals(diff_total_ptr, offs, mask, total.to(tl.float64))
+        add_totals(sq_total_ptr, offs, mask, sq.to(tl.float64))
+
+
 # Integer arguments are not specialized on their values (a shape seen for the first time reuses the
 # compiled variant: no compile mid-run, and the launch path below can key variants on constexprs).
 _RUNTIME_INTS = ["stride_a", "stride_b", "stride_c", "data_len", "f32_len", "fault_row", "fault_col", "fault_mask", "side_all",
@@ -260,21 +275,11 @@ def checked_gemm_kernel(
             tl.store(out_part_ptr + pid_n * M + offs_m, tl.sum(out.to(tl.float32), axis=1), mask=mask_m)
         c_desc.store([off_m, off_n], out)
         if ROW_CHECK:
-            row_sum = tl.sum(acc, axis=1)
-            row_sq = tl.sum(acc * acc, axis=1)
-            tl.store(row_part_ptr + pid_n * M + offs_m, row_sum, mask=mask_m)
-            tl.store(rsq_part_ptr + pid_n * M + offs_m, row_sq, mask=mask_m)
-            if EVIDENCE:
-                add_totals(row_diff, offs_m, mask_m, row_sum.to(tl.float64))
-                add_totals(row_sq_total, offs_m, mask_m, row_sq.to(tl.float64))
+            _store_partials(acc, 1, row_part_ptr + pid_n * M, rsq_part_ptr + pid_n * M, offs_m, mask_m, row_diff,
+                            row_sq_total, EVIDENCE)  # fmt: skip
         if COL_CHECK:
-            col_sum = tl.sum(acc, axis=0)
-            col_sq = tl.sum(acc * acc, axis=0)
-            tl.store(col_part_ptr + pid_m * N + offs_n, col_sum, mask=mask_n)
-            tl.store(csq_part_ptr + pid_m * N + offs_n, col_sq, mask=mask_n)
-            if EVIDENCE:
-                add_totals(col_diff, offs_n, mask_n, col_sum.to(tl.float64))
-                add_totals(col_sq_total, offs_n, mask_n, col_sq.to(tl.float64))
+            _store_partials(acc, 0, col_part_ptr + pid_m * N, csq_part_ptr + pid_m * N, offs_n, mask_n, col_diff,
+                            col_sq_total, EVIDENCE)  # fmt: skip
         # The reference sides, after the tile's stores are issued: this tile's K slice of its row
         # block's A·S(c) (slice pid_n of tiles_n) and of its column block's Bᵀ·S(u1) (slice pid_m),
         # re-reading the slice's operand tiles (from L2: the tile has just read them). Every tile does
