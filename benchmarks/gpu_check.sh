@@ -15,7 +15,9 @@
 #   attention-routed       protected models with attention on the Triton kernels: the attention and hot-path GPU
 #                          tests (no host sync per call), and the HF step unprotected / 1% budget / full
 #   tests         every GPU-marked test, then the kernels' small-shape tests on CUDA
-#   e2e-eager | e2e-compiled | e2e-own   the end-to-end step record (results/e2e_step.json)
+#   e2e-eager | e2e-compiled | e2e-own   the end-to-end step record (results/e2e_step.json); the
+#                 later ones resume the file the device holds, which is the tree's (a call's outputs
+#                 do not stay on the device): `e2e` runs eager and compiled in one call
 # Writes logs and results under $OUT (the device's output folder) or ./gpu-out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +75,12 @@ case "${1:-tests}" in
     timeout 420 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40
     timeout 140 python -m pytest -q -m "not gpu" tests/test_triton_gemm.py -p no:cacheprovider 2>&1 \
       | tee "$out/gpu_small_shape_tests.log" | tail -15 ;;
+  e2e)
+    timeout 200 python benchmarks/e2e_step.py --workloads hf --modes eager --profile "$out" --out "$results" \
+      2>&1 | grep -v Warn | tee "$out/e2e_eager.log" | tail -12
+    timeout 370 python benchmarks/e2e_step.py --workloads hf --modes compiled --resume --out "$results" \
+      2>&1 | grep -v Warn | tee "$out/e2e_compiled.log" | tail -16
+    cp "$results" "$out/" ;;
   e2e-eager)
     timeout 560 python benchmarks/e2e_step.py --workloads hf --modes eager --profile "$out" --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_eager.log"
@@ -85,5 +93,5 @@ case "${1:-tests}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|evidence|diagnose|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|evidence|diagnose|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac
