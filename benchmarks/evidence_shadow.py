@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import struct
 import tempfile
 from pathlib import Path
 
@@ -25,12 +24,9 @@ from common import gpu_environment, write_result  # benchmarks/ is the script's 
 
 import aegis_sdc as aegis
 from aegis_sdc.kernels import triton_gemm as tg
+from aegis_sdc.sensors.gemm import decode_triton_stats
 
 TOLERANCE = 1e-3  # relative; the two sums differ by fp64 rounding only (~1e-15 of their terms)
-
-
-def _value(packed: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", (packed >> 32) & 0xFFFFFFFF))[0]
 
 
 class Shadow:
@@ -64,22 +60,23 @@ class Shadow:
 
     def compare(self, step: int, classes: dict) -> None:
         """After the step (synchronized): each launch's slot against its second launch's."""
+        inf = float("inf")
         for label, first, second in self.pending:
             r1, r2 = first.tolist(), second.tolist()
+            # [row value, row index, row l2, column value, column index, ...] (the guard's decoding)
+            e1, e2 = decode_triton_stats(r1, inf, inf), decode_triton_stats(r2, inf, inf)
             row = classes[label]
             row["launches"] += 1
             worst = 1.0
-            for slot in (tg.ST_ROW, tg.ST_COL):
-                v1, v2 = _value(r1[slot]), _value(r2[slot])
-                ratio = (v1 + 1e-30) / (v2 + 1e-30)
+            for value in (0, 3):
+                ratio = (e1[value] + 1e-30) / (e2[value] + 1e-30)
                 worst = max(worst, ratio, 1.0 / ratio)
             bad = worst - 1.0 > TOLERANCE or r1[tg.ST_ALARM] != r2[tg.ST_ALARM]
             row["disagreements"] += int(bad)
             row["worst_ratio"] = max(row["worst_ratio"], worst)
             if bad and len(row["examples"]) < 3:
-                row["examples"].append({"step": step, "inside": _value(r1[tg.ST_ROW]), "second": _value(r2[tg.ST_ROW]),
-                                        "row_inside": r1[tg.ST_ROW] & 0xFFFFFFFF,
-                                        "row_second": r2[tg.ST_ROW] & 0xFFFFFFFF})  # fmt: skip
+                row["examples"].append({"step": step, "inside": e1[0], "second": e2[0], "row_inside": int(e1[1]),
+                                        "row_second": int(e2[1])})  # fmt: skip
         self.pending.clear()
 
 

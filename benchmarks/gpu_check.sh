@@ -25,6 +25,15 @@ export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
 results=benchmarks/results/e2e_step.json
+# e2e_eager|e2e_compiled SECONDS: one part of the step record, within that time
+e2e_eager() {
+  timeout "$1" python benchmarks/e2e_step.py --workloads hf --modes eager --profile "$out" --out "$results" \
+    2>&1 | grep -v Warn | tee "$out/e2e_eager.log"
+}
+e2e_compiled() {
+  timeout "$1" python benchmarks/e2e_step.py --workloads hf --modes compiled --resume --out "$results" \
+    2>&1 | grep -v Warn | tee "$out/e2e_compiled.log"
+}
 case "${1:-tests}" in
   kernel)
     timeout 300 python -m pytest -q tests/test_triton_gemm.py tests/test_triton_linear.py -p no:cacheprovider \
@@ -76,18 +85,14 @@ case "${1:-tests}" in
     timeout 140 python -m pytest -q -m "not gpu" tests/test_triton_gemm.py -p no:cacheprovider 2>&1 \
       | tee "$out/gpu_small_shape_tests.log" | tail -15 ;;
   e2e)
-    timeout 200 python benchmarks/e2e_step.py --workloads hf --modes eager --profile "$out" --out "$results" \
-      2>&1 | grep -v Warn | tee "$out/e2e_eager.log" | tail -12
-    timeout 370 python benchmarks/e2e_step.py --workloads hf --modes compiled --resume --out "$results" \
-      2>&1 | grep -v Warn | tee "$out/e2e_compiled.log" | tail -16
+    e2e_eager 200 | tail -12
+    e2e_compiled 370 | tail -16
     cp "$results" "$out/" ;;
   e2e-eager)
-    timeout 560 python benchmarks/e2e_step.py --workloads hf --modes eager --profile "$out" --out "$results" \
-      2>&1 | grep -v Warn | tee "$out/e2e_eager.log"
+    e2e_eager 560
     cp "$results" "$out/" ;;
   e2e-compiled)
-    timeout 560 python benchmarks/e2e_step.py --workloads hf --modes compiled --resume --out "$results" \
-      2>&1 | grep -v Warn | tee "$out/e2e_compiled.log"
+    e2e_compiled 560
     cp "$results" "$out/" ;;
   e2e-own)
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \

@@ -225,7 +225,8 @@ def take_totals(total_ptr, offs, mask, CHUNK: tl.constexpr):
     Why atomics: with plain loads and stores of zero there (`.cg`, or volatile), 6–9% of the
     launches of a protected 1.1B-model step judged wrong totals — among them rows whose dY is zero,
     whose every addition is 0, read non-zero (normalized differences of 1e26–1e34 against ~10² from
-    the same GEMM's second-launch evidence; `benchmarks/evidence_shadow.py`), although every program
+    the same GEMM's second-launch evidence: the comparison `benchmarks/evidence_shadow.py` makes),
+    although every program
     fences before it counts itself done. The exchange is an atomic at the same point of coherence as
     the tiles' additions, and it reads and zeroes in one step: 0 disagreements in the same runs, and
     no slower (benchmarks/results/alarms/README.md)."""
@@ -379,9 +380,10 @@ def evidence_kernel(
         done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(0) - 1:
             tl.store(counter_ptr, 0)
-            row_packed = tl.load(stats_ptr + _ST_ROW, cache_modifier=".cg")
-            col_packed = tl.load(stats_ptr + _ST_COL, cache_modifier=".cg")
-            nonfinite = tl.load(stats_ptr + _ST_NONFINITE, cache_modifier=".cg")
+            # the blocks' atomic maxima, read as the inline path reads its totals (take_totals: by atomics)
+            row_packed = tl.atomic_add(stats_ptr + _ST_ROW, 0, sem="relaxed", scope="gpu")
+            col_packed = tl.atomic_add(stats_ptr + _ST_COL, 0, sem="relaxed", scope="gpu")
+            nonfinite = tl.atomic_add(stats_ptr + _ST_NONFINITE, 0, sem="relaxed", scope="gpu")
             conclude(row_packed, col_packed, nonfinite, stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr,
                      col_part_ptr, rowref_ptr, colref_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr,
                      row_threshold, col_threshold, M, N, K, row_parts, col_parts, stride_a, stride_b, data_len, f32_len,

@@ -298,7 +298,7 @@ def checked_gemm_kernel(
     if EVIDENCE:
         # Each thread fences its own totals, the barrier joins them, and one thread's release at gpu
         # scope publishes them all to the last program, which acquires the count and finishes.
-        fence_gpu(UPCAST)
+        fence_gpu(UPCAST)  # UPCAST is set exactly under the interpreter
         tl.debug_barrier()
         done = tl.atomic_add(counters_ptr, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(0) - 1:
