@@ -199,12 +199,15 @@ def test_launches_are_deterministic_and_counters_reset():
 
 
 @pytest.mark.parametrize("kind", ["fwd", "wgrad"])
-def test_inline_and_separate_evidence_agree(kind):
-    # The verdict, indices and capture are the same whether the launch's last program judges the
-    # tiles' totals (inline) or a second launch sums the tiles' parts; the maxima agree to fp64
-    # rounding of the sums' order: inline, tiles add their fp64 sums atomically in arrival order, so a
-    # row's difference |Σ − ref| (here ≥ 2.0, the fault) moves by ~1e-16 of Σ — far below 1e-6 of it.
-    a, b, flags, logical = orientation(kind, 64, 48, 96, torch.float16, seed=3)
+@pytest.mark.parametrize("mkn", [(64, 48, 96), (288, 32, 640)], ids=["few-tiles", "many-tiles"])
+def test_inline_and_separate_evidence_agree(kind, mkn):
+    # The verdict, indices and capture are the same whether the programs that complete the blocks
+    # judge the tiles' totals (inline) or a second launch sums the tiles' parts; the maxima agree to
+    # fp64 rounding of the sums' order: inline, tiles add their fp64 sums atomically in arrival order,
+    # so a row's difference |Σ − ref| (here ≥ 2.0, the fault) moves by ~1e-16 of Σ — far below 1e-6
+    # of it. Many tiles: 180 tiles of 32×32 on the interpreter's 4 programs, 45 each, so a program
+    # counts its tiles in several vectors and completes several blocks.
+    a, b, flags, logical = orientation(kind, *mkn, torch.float16, seed=3)
     fault = (tg.FAULT_PERTURB, 17, 50, 2.0, 0)
     inline_cfg = dataclasses.replace(tg.default_config(), inline_evidence=True)
     separate_cfg = dataclasses.replace(tg.default_config(), inline_evidence=False)
@@ -260,9 +263,10 @@ def test_the_byproduct_is_the_same_whoever_finishes_it(checked, dtype):
 
 
 def test_inline_evidence_leaves_its_totals_zero():
-    # The tiles' fp64 totals live in a workspace every launch shares; the last program puts back to
-    # zero what the launch added (here a faulted wgrad with row and column checks and a by-product, a
-    # row-only launch after it), so the next launch starts clean and judges only its own sums.
+    # The tiles' fp64 totals live in a workspace every launch shares; the tile that completes a block
+    # puts back to zero what the launch added to it, and every counter goes back to zero (here a
+    # faulted wgrad with row and column checks and a by-product, a row-only launch after it), so the
+    # next launch starts clean and judges only its own sums.
     a, b, flags, logical = orientation("wgrad", 64, 48, 96, torch.float16, seed=5)
     A, B = logical
     cfg = dataclasses.replace(tg.default_config(), inline_evidence=True)
@@ -270,7 +274,7 @@ def test_inline_evidence_leaves_its_totals_zero():
     vecs = dict(cvec=B.double().sum(1), u1=A.double().sum(0))
     for fault, col in (((tg.FAULT_PERTURB, 3, 4, 50.0, 0), True), (None, False)):
         stats = torch.zeros(tg.STATS_LEN, dtype=torch.int64, device=DEVICE)
-        counters = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        counters = torch.zeros(tg.counters_needed(64, 96, cfg), dtype=torch.int32, device=DEVICE)
         vec = torch.empty(64, dtype=torch.float64, device=DEVICE)
         tg.launch_checked_gemm(a, b, out, a_t=flags[0], b_t=flags[1], **vecs, row_check=True, row_side=True,
                                col_check=col, stats=stats, counters=counters, row_threshold=40.0, col_threshold=40.0,

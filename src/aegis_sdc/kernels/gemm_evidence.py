@@ -13,11 +13,14 @@ Two ways to run it (`TritonGemmConfig.inline_evidence`); either also finishes th
 - inline (the default): inside the GEMM launch, so a checked GEMM is one launch. Every tile adds its
   share to fp64 totals [3·M + 2·N] of the launch with relaxed atomics (`add_totals`: row sums and
   sums of squares of its accumulator, minus its K slice of A·c, plus its slice of A·1; the same per
-  column for a column check); each program fences, counts itself done, and the last one reads the
-  totals and leaves them zero by atomic exchange (`take_totals`), judges every row and column,
-  writes the by-product and concludes (`finish_launch`). The order of the fp64 additions varies from
-  launch to launch; the evidence moves by fp64 rounding of its terms only (~1e-16), nothing a
-  verdict can see, and the partials a replay compares stay per tile and bit-exact.
+  column for a column check), fences and counts itself into its row block and column block
+  (`count_done`); the tile that completes a block reads that block's totals and leaves them zero by
+  atomic exchange (`take_totals`), judges it into the slot and writes its by-product
+  (`finish_row_block`, `finish_col_block`); the launch's last program concludes (`conclude_slot`).
+  Finishing is spread over the launch: no program judges the whole GEMM at its end. The order of
+  the fp64 additions varies from launch to launch; the evidence moves by fp64 rounding of its terms
+  only (~1e-16), nothing a verdict can see, and the partials a replay compares stay per tile and
+  bit-exact.
 - `evidence_kernel`: a second launch right after the GEMM on the same stream, one program per block,
   sums in a fixed order.
 
@@ -71,6 +74,24 @@ def _sum_parts(ptr, parts, size, offs, mask, PCHUNK: tl.constexpr):
 
 
 @triton.jit
+def judge_block(total, sq, start, mask, stats_ptr, stats_f64_ptr, SLOT: tl.constexpr, L2_SLOT: tl.constexpr):
+    """One block of rows (columns) from `start`: from their fp64 differences Σ − ref and sums of squares [R], the
+    normalized differences |Σ − ref| / (u·√Σsq) folded into the launch's slot by atomics — the packed
+    (value, index) maximum, the non-finite flag, Σ (Σ − ref)² (a statistic: order-free is fine). A
+    sum of squares that overflowed fp32 (|C| ≳ 10¹⁹) counts as non-finite."""
+    raw = tl.where(mask, tl.abs(total), 0.0)
+    tl.atomic_add(stats_f64_ptr + L2_SLOT, tl.sum(raw * raw, axis=0))
+    diff = raw / tl.maximum(U32 * tl.sqrt(sq), TINY)
+    nonfinite = (diff != diff) | (diff == float("inf")) | (sq == float("inf"))
+    diff = tl.where(nonfinite, NAN_VALUE, diff)
+    diff = tl.where(mask, diff, 0.0).to(tl.float32)
+    tl.atomic_max(stats_ptr + SLOT, _pack(tl.max(diff, axis=0), start + tl.argmax(diff, axis=0)))
+    any_nonfinite = tl.max((nonfinite & mask).to(tl.int32), axis=0)
+    if any_nonfinite > 0:
+        tl.atomic_max(stats_ptr + _ST_NONFINITE, any_nonfinite.to(tl.int64))
+
+
+@triton.jit
 def block_evidence(part_ptr, sq_ptr, ref_ptr, parts, ref_parts, size, start, stats_ptr, stats_f64_ptr,
                    SLOT: tl.constexpr, L2_SLOT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Finish one row (or column) block: fp64 sums of its partials, normalized difference, packed max.
@@ -83,16 +104,7 @@ def block_evidence(part_ptr, sq_ptr, ref_ptr, parts, ref_parts, size, start, sta
     total = _sum_parts(part_ptr, parts, size, offs, mask, 16)
     sq = _sum_parts(sq_ptr, parts, size, offs, mask, 16)
     ref = _sum_parts(ref_ptr, ref_parts, size, offs, mask, 16)
-    raw = tl.where(mask, tl.abs(total - ref), 0.0)
-    tl.atomic_add(stats_f64_ptr + L2_SLOT, tl.sum(raw * raw, axis=0))  # a statistic: order-free is fine
-    diff = raw / tl.maximum(U32 * tl.sqrt(sq), TINY)
-    nonfinite = (diff != diff) | (diff == float("inf")) | (sq == float("inf"))
-    diff = tl.where(nonfinite, NAN_VALUE, diff)
-    diff = tl.where(mask, diff, 0.0).to(tl.float32)
-    tl.atomic_max(stats_ptr + SLOT, _pack(tl.max(diff, axis=0), start + tl.argmax(diff, axis=0)))
-    any_nonfinite = tl.max((nonfinite & mask).to(tl.int32), axis=0)
-    if any_nonfinite > 0:
-        tl.atomic_max(stats_ptr + _ST_NONFINITE, any_nonfinite.to(tl.int64))
+    judge_block(total - ref, sq, start, mask, stats_ptr, stats_f64_ptr, SLOT, L2_SLOT)
 
 
 @triton.jit
@@ -210,7 +222,7 @@ def fence_gpu(INTERPRETED: tl.constexpr):
     """Every thread's `fence.acq_rel.gpu` (CUDA's __threadfence): its own earlier writes and atomics
     are visible at gpu scope before its later ones. Before a CTA barrier and one thread's release of
     a counter, it publishes all threads' totals (the release alone orders only its own thread's;
-    without the fence the last program read totals that other programs' atomics had not reached).
+    without the fence the finishing program read totals that other programs' atomics had not reached).
     The interpreter runs programs one after another: nothing to order there."""
     if not INTERPRETED:
         tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [tl.arange(0, 256)],
@@ -219,7 +231,7 @@ def fence_gpu(INTERPRETED: tl.constexpr):
 
 @triton.jit
 def take_totals(total_ptr, offs, mask, CHUNK: tl.constexpr):
-    """The launch's last program: totals [CHUNK] at offs read and put back to zero in one atomic
+    """The program that finishes a block: totals [CHUNK] at offs read and put back to zero in one atomic
     exchange each (fp64 moved as its int64 bits; masked lanes read 0).
 
     Why atomics: with plain loads and stores of zero there (`.cg`, or volatile), 6–9% of the
@@ -236,71 +248,65 @@ def take_totals(total_ptr, offs, mask, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _fold_totals(diff_ptr, sq_ptr, size, CHUNK: tl.constexpr):
-    """Over all `size` rows (columns) of a launch's totals: the packed maximum of the normalized
-    difference |Σ − ref| / (u·√Σsq), whether any is non-finite, and Σ (Σ − ref)²; the totals are put
-    back to zero for the next launch."""
-    best = tl.zeros((CHUNK,), dtype=tl.int64)
-    flags = tl.zeros((CHUNK,), dtype=tl.int32)
-    l2 = tl.zeros((CHUNK,), dtype=tl.float64)
-    for start in range(0, size, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        mask = offs < size
-        diff = take_totals(diff_ptr, offs, mask, CHUNK)
-        sq = take_totals(sq_ptr, offs, mask, CHUNK)
-        raw = tl.abs(diff)
-        l2 += raw * raw
-        scaled = raw / tl.maximum(U32 * tl.sqrt(sq), TINY)
-        nonfinite = ((scaled != scaled) | (scaled == float("inf")) | (sq == float("inf"))) & mask
-        scaled = tl.where(nonfinite, NAN_VALUE, scaled).to(tl.float32)
-        best = tl.maximum(best, _pack(scaled, offs))
-        flags = tl.maximum(flags, nonfinite.to(tl.int32))
-    return tl.max(best, axis=0), tl.max(flags, axis=0).to(tl.int64), tl.sum(l2, axis=0)
+def finish_row_block(totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, start, M,
+                     ROW_CHECK: tl.constexpr, BYPRODUCT: tl.constexpr, SIDE_OUT: tl.constexpr, DT: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    """Inline evidence, by the tile that completes row block [start, start + BLOCK): its totals taken
+    (and left zero) — the row evidence folded into the slot, the by-product A·1 and its S stored."""
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < M
+    if ROW_CHECK:
+        diff = take_totals(totals_ptr, offs, mask, BLOCK)
+        sq = take_totals(totals_ptr + M, offs, mask, BLOCK)
+        judge_block(diff, sq, start, mask, stats_ptr, stats_f64_ptr, _ST_ROW, _ST_ROW_L2SQ)
+    if BYPRODUCT or SIDE_OUT:
+        ones = take_totals(totals_ptr + 2 * M, offs, mask, BLOCK)
+        if BYPRODUCT:
+            tl.store(byproduct_ptr + offs, ones, mask=mask)
+        if SIDE_OUT:
+            store_side(side_out_ptr, offs, mask, ones, DT)
 
 
 @triton.jit
-def finish_launch(totals_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr,
-                  rowref_ptr, colref_ptr, byproduct_ptr, side_out_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr,
-                  row_threshold, col_threshold, M, N, K, row_parts, col_parts, stride_a, stride_b, data_len, f32_len,
-                  ROW_CHECK: tl.constexpr, COL_CHECK: tl.constexpr, BYPRODUCT: tl.constexpr, SIDE_OUT: tl.constexpr,
-                  DT: tl.constexpr, CAPTURE: tl.constexpr, POOL: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr = 2048,
-                  SIDE_CHUNK: tl.constexpr = 256):  # fmt: skip
-    """Inline evidence, run by the launch's last program once every tile has added its share to the
-    totals (fp64 [3·M + 2·N]: row differences Σ_j acc − A·c, row sums of squares, A·1; column
-    differences and sums of squares): the row and column evidence, the by-product A·1 (and its S),
-    the verdict and an alarm's capture; every total is left zero. One program reads 16–24 bytes per
-    row and column (2048 at a time), a few µs at the 1.1B model's shapes. S(A·1) goes 256 rows at a
-    time: its [rows, 16] tile at 2048 rows spilled 544–2 388 bytes per thread of the whole kernel
-    (benchmarks/kernel_registers.py)."""
-    row_packed = tl.zeros((), dtype=tl.int64)
-    col_packed = row_packed
-    nonfinite = row_packed
-    if ROW_CHECK:
-        row_packed, row_flag, row_l2 = _fold_totals(totals_ptr, totals_ptr + M, M, CHUNK)
-        nonfinite = row_flag
-        tl.store(stats_ptr + _ST_ROW, row_packed)
-        tl.store(stats_f64_ptr + _ST_ROW_L2SQ, row_l2)
-    if COL_CHECK:
-        col_packed, col_flag, col_l2 = _fold_totals(totals_ptr + 3 * M, totals_ptr + 3 * M + N, N, CHUNK)
-        nonfinite = tl.maximum(nonfinite, col_flag)
-        tl.store(stats_ptr + _ST_COL, col_packed)
-        tl.store(stats_f64_ptr + _ST_COL_L2SQ, col_l2)
-    if BYPRODUCT or SIDE_OUT:
-        for start in range(0, M, SIDE_CHUNK):
-            offs = start + tl.arange(0, SIDE_CHUNK)
-            mask = offs < M
-            ones = take_totals(totals_ptr + 2 * M, offs, mask, SIDE_CHUNK)
-            if BYPRODUCT:
-                tl.store(byproduct_ptr + offs, ones, mask=mask)
-            if SIDE_OUT:
-                store_side(side_out_ptr, offs, mask, ones, DT)
-    if ROW_CHECK or COL_CHECK:
-        tl.store(stats_ptr + _ST_NONFINITE, nonfinite)
-        conclude(row_packed, col_packed, nonfinite, stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr,
-                 rowref_ptr, colref_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold,
-                 M, N, K, row_parts, col_parts, stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK,
-                 CAPTURE, POOL, A_T, B_T, BM, BN)  # fmt: skip
+def finish_col_block(totals_ptr, stats_ptr, stats_f64_ptr, start, M, N, BLOCK: tl.constexpr):
+    """Inline evidence, by the tile that completes column block [start, start + BLOCK): its totals
+    taken (and left zero), the column evidence folded into the slot."""
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < N
+    diff = take_totals(totals_ptr + 3 * M, offs, mask, BLOCK)
+    sq = take_totals(totals_ptr + 3 * M + N, offs, mask, BLOCK)
+    judge_block(diff, sq, start, mask, stats_ptr, stats_f64_ptr, _ST_COL, _ST_COL_L2SQ)
+
+
+@triton.jit
+def count_done(counter_ptr, expected):
+    """Count one more contribution to a launch (or block) whose `expected` contributions complete it;
+    whether this one completed it (then the counter is put back to zero for the next launch). The
+    caller has fenced its writes (`fence_gpu`) and joined its threads: the acq_rel count publishes them
+    to the completing program and, there, acquires everyone's."""
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = done == expected - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last
+
+
+@triton.jit
+def conclude_slot(stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr, colref_ptr,
+                  pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold, M, N, K, row_parts,
+                  col_parts, stride_a, stride_b, data_len, f32_len, ROW_CHECK: tl.constexpr,
+                  COL_CHECK: tl.constexpr, CAPTURE: tl.constexpr, POOL: tl.constexpr, A_T: tl.constexpr,
+                  B_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """The launch's last program, once every block is judged: the blocks' atomic maxima read by
+    atomics (as `take_totals` reads the totals: at the point of coherence of the blocks' atomics),
+    then the verdict (`conclude`)."""
+    row_packed = tl.atomic_add(stats_ptr + _ST_ROW, 0, sem="relaxed", scope="gpu")
+    col_packed = tl.atomic_add(stats_ptr + _ST_COL, 0, sem="relaxed", scope="gpu")
+    nonfinite = tl.atomic_add(stats_ptr + _ST_NONFINITE, 0, sem="relaxed", scope="gpu")
+    conclude(row_packed, col_packed, nonfinite, stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr,
+             rowref_ptr, colref_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold, M, N,
+             K, row_parts, col_parts, stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK, CAPTURE, POOL, A_T,
+             B_T, BM, BN)  # fmt: skip
 
 
 @triton.jit
@@ -376,15 +382,9 @@ def evidence_kernel(
     else:
         block_evidence(col_part_ptr, csq_part_ptr, colref_ptr, tiles_m, col_parts, N, (pid - row_blocks) * BN,
                        stats_ptr, stats_f64_ptr, _ST_COL, _ST_COL_L2SQ, BN)  # fmt: skip
-    if ROW_CHECK or COL_CHECK:
-        done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            tl.store(counter_ptr, 0)
-            # the blocks' atomic maxima, read as the inline path reads its totals (take_totals: by atomics)
-            row_packed = tl.atomic_add(stats_ptr + _ST_ROW, 0, sem="relaxed", scope="gpu")
-            col_packed = tl.atomic_add(stats_ptr + _ST_COL, 0, sem="relaxed", scope="gpu")
-            nonfinite = tl.atomic_add(stats_ptr + _ST_NONFINITE, 0, sem="relaxed", scope="gpu")
-            conclude(row_packed, col_packed, nonfinite, stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr,
-                     col_part_ptr, rowref_ptr, colref_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr,
-                     row_threshold, col_threshold, M, N, K, row_parts, col_parts, stride_a, stride_b, data_len, f32_len,
-                     ROW_CHECK, COL_CHECK, CAPTURE, POOL, A_T, B_T, BM, BN)  # fmt: skip
+    if ROW_CHECK or COL_CHECK:  # noqa: SIM102  (a compile-time branch around a run-time one)
+        if count_done(counter_ptr, tl.num_programs(0)):
+            conclude_slot(stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr, colref_ptr,
+                          pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold, M, N, K,
+                          row_parts, col_parts, stride_a, stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK, CAPTURE,
+                          POOL, A_T, B_T, BM, BN)  # fmt: skip

@@ -57,9 +57,12 @@ from aegis_sdc.kernels.gemm_evidence import (  # noqa: F401  (the evidence layou
     ST_SLOT,
     STATS_LEN,
     add_totals,
+    conclude_slot,
+    count_done,
     evidence_kernel,
     fence_gpu,
-    finish_launch,
+    finish_col_block,
+    finish_row_block,
 )
 from aegis_sdc.kernels.gemm_side import (
     SIDE_COLUMNS,
@@ -78,11 +81,12 @@ FAULT_NONE, FAULT_PERTURB, FAULT_BITFLIP = 0, 1, 2
 
 @triton.jit
 def _tile_coords(tile_id, tiles_m, tiles_n, GROUP_M: tl.constexpr):
-    """Grouped (L2-friendly) order: GROUP_M row tiles sweep all column tiles together."""
+    """Grouped (L2-friendly) order: GROUP_M row tiles sweep all column tiles together (tile_id a
+    scalar or a vector of tiles)."""
     in_group = GROUP_M * tiles_n
     group = tile_id // in_group
     first_m = group * GROUP_M
-    size_m = min(tiles_m - first_m, GROUP_M)
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
     return first_m + (tile_id % size_m), (tile_id % in_group) // size_m
 
 
@@ -121,7 +125,7 @@ def _side_part(x_desc, s_desc, scale_ptr, off, part, parts, k_tiles, ref_ptr, on
     for the R rows of X from `off` — X = A's row block (ROW) or Bᵀ's column block — in one fp32
     chain, re-reading the slice's X tiles; then in fp64 to ref_ptr[part, off:off+R] (and the ones
     column to ones_ptr), and where the evidence inside the launch reads them, subtracted from the
-    difference totals and the ones added to theirs (gemm_evidence.finish_launch)."""
+    difference totals and the ones added to theirs (gemm_evidence.finish_row_block)."""
     k_lo = part * k_tiles // parts
     k_hi = (part + 1) * k_tiles // parts
     side = tl.zeros((R, SIDE_N), dtype=tl.float32)
@@ -145,7 +149,7 @@ def _store_partials(acc, AXIS: tl.constexpr, part_ptr, sq_ptr, offs, mask, diff_
                     EVIDENCE: tl.constexpr):  # fmt: skip
     """A tile's accumulator sums and sums of squares [R] along AXIS (1: of each row, 0: of each
     column), stored as its partials at offs and, where the evidence is finished inside the launch,
-    added to the launch's totals (gemm_evidence.finish_launch)."""
+    added to the launch's totals (gemm_evidence.finish_row_block)."""
     total = tl.sum(acc, axis=AXIS)
     sq = tl.sum(acc * acc, axis=AXIS)
     tl.store(part_ptr + offs, total, mask=mask)
@@ -153,6 +157,55 @@ def _store_partials(acc, AXIS: tl.constexpr, part_ptr, sq_ptr, offs, mask, diff_
     if EVIDENCE:
         add_totals(diff_total_ptr, offs, mask, total.to(tl.float64))
         add_totals(sq_total_ptr, offs, mask, sq.to(tl.float64))
+
+
+@triton.jit
+def _finish_completed(done, index, block, counter_ptr, totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr,
+                      side_out_ptr, M, N, ROWS: tl.constexpr, ROW_CHECK: tl.constexpr, BYPRODUCT: tl.constexpr,
+                      SIDE_OUT: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """Finish the blocks [CHUNK] (`block`) whose tickets `done` completed them, one at a time (a
+    program completes about one block per launch): everyone's additions acquired, the block's
+    counter put back to zero, its totals judged (gemm_evidence.finish_row_block / finish_col_block)."""
+    for _ in range(tl.sum(done.to(tl.int32), axis=0)):
+        first = tl.min(tl.where(done, index, 2**30), axis=0)
+        start = tl.sum(tl.where(index == first, block, 0), axis=0)
+        done = done & (index != first)
+        fence_gpu(INTERPRETED)
+        tl.store(counter_ptr + start, 0)
+        if ROWS:
+            finish_row_block(totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, start * BLOCK, M,
+                             ROW_CHECK, BYPRODUCT, SIDE_OUT, DT, BLOCK)  # fmt: skip
+        else:
+            finish_col_block(totals_ptr, stats_ptr, stats_f64_ptr, start * BLOCK, M, N, BLOCK)
+
+
+@triton.jit
+def _finish_program_blocks(row_done, col_done, tiles_m, tiles_n, totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr,
+                           side_out_ptr, M, N, ROWS: tl.constexpr, ROW_CHECK: tl.constexpr, COL_CHECK: tl.constexpr,
+                           BYPRODUCT: tl.constexpr, SIDE_OUT: tl.constexpr, DT: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr, GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
+                           CHUNK: tl.constexpr = 16):  # fmt: skip
+    """Inline evidence, once a program's tiles are done and fenced: each of its tiles counted into its
+    row block and column block, CHUNK tiles in one vector of relaxed atomics (their round trips in
+    parallel: gemm_evidence.take_ticket), and the blocks those counts completed finished here."""
+    first_tile = tl.program_id(0)
+    step = tl.num_programs(0)
+    mine = tl.cdiv(tiles_m * tiles_n - first_tile, step)
+    for c0 in range(0, mine, CHUNK):
+        index = c0 + tl.arange(0, CHUNK)
+        valid = index < mine
+        tiles = tl.where(valid, first_tile + index * step, first_tile)  # lanes past the last: a real tile
+        pid_m, pid_n = _tile_coords(tiles, tiles_m, tiles_n, GROUP_M)
+        if ROWS:
+            ticket = tl.atomic_add(row_done + pid_m, 1, mask=valid, sem="relaxed", scope="gpu")
+            _finish_completed(valid & (ticket == tiles_n - 1), index, pid_m, row_done, totals_ptr, stats_ptr,
+                              stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N, True, ROW_CHECK, BYPRODUCT, SIDE_OUT,
+                              DT, BM, INTERPRETED)  # fmt: skip
+        if COL_CHECK:
+            ticket = tl.atomic_add(col_done + pid_n, 1, mask=valid, sem="relaxed", scope="gpu")
+            _finish_completed(valid & (ticket == tiles_m - 1), index, pid_n, col_done, totals_ptr, stats_ptr,
+                              stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N, False, ROW_CHECK, BYPRODUCT, SIDE_OUT,
+                              DT, BN, INTERPRETED)  # fmt: skip
 
 
 # Integer arguments are not specialized on their values (a shape seen for the first time reuses the
@@ -181,8 +234,8 @@ def checked_gemm_kernel(
     colref_ptr,  # [col_parts, N] fp64 out: u1ᵀB per K slice (slice i from the tiles of row block i)
     byproduct_ptr,  # [M] fp64 out (BYPRODUCT, inline): A·1
     side_out_ptr,  # [M, 16] out (SIDE_OUT, inline): S(A·1), as a later wgrad's side reads it
-    counters_ptr,  # int32 [1], zero: programs done (inline evidence), left zero
-    totals_ptr,  # fp64 [3·M + 2·N], zero: the launch's sums (gemm_evidence.finish_launch), left zero
+    counters_ptr,  # int32 [1 + tiles_m + tiles_n], zero: programs, row and column blocks done (inline), left zero
+    totals_ptr,  # fp64 [3·M + 2·N], zero: the launch's sums (gemm_evidence.finish_row_block), left zero
     stats_ptr,  # int64 [STATS_LEN], zero
     stats_f64_ptr,  # the same slot as fp64
     pool_data_ptr,
@@ -268,16 +321,21 @@ def checked_gemm_kernel(
         if HAS_BIAS:
             out = out + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         out = out.to(c_ptr.dtype.element_ty)
-        # The rounded output's row sums and its store first: then `out` is dead before the sums of
-        # squares are formed. With out, acc and acc² live at once, the row+col variants spilled
-        # 312–424 bytes per thread (ptxas for sm_90a; benchmarks/kernel_registers.py); now none.
+        # The order of the epilogue's reductions follows the registers: a row-only check sums the
+        # accumulator first and then rounds and stores the output (measured 2–3% faster on the H200);
+        # with a column check too, the output's row sums and its store go first, so that `out` is dead
+        # before the sums of squares are formed (with out, acc and acc² live at once the row+col
+        # variants spilled 312–424 bytes per thread: benchmarks/kernel_registers.py).
+        if ROW_CHECK and not COL_CHECK:
+            _store_partials(acc, 1, row_part_ptr + pid_n * M, rsq_part_ptr + pid_n * M, offs_m, mask_m, row_diff,
+                            row_sq_total, EVIDENCE)  # fmt: skip
         if ROW_CHECK:
             tl.store(out_part_ptr + pid_n * M + offs_m, tl.sum(out.to(tl.float32), axis=1), mask=mask_m)
         c_desc.store([off_m, off_n], out)
-        if ROW_CHECK:
-            _store_partials(acc, 1, row_part_ptr + pid_n * M, rsq_part_ptr + pid_n * M, offs_m, mask_m, row_diff,
-                            row_sq_total, EVIDENCE)  # fmt: skip
         if COL_CHECK:
+            if ROW_CHECK:
+                _store_partials(acc, 1, row_part_ptr + pid_n * M, rsq_part_ptr + pid_n * M, offs_m, mask_m, row_diff,
+                                row_sq_total, EVIDENCE)  # fmt: skip
             _store_partials(acc, 0, col_part_ptr + pid_m * N, csq_part_ptr + pid_m * N, offs_n, mask_n, col_diff,
                             col_sq_total, EVIDENCE)  # fmt: skip
         # The reference sides, after the tile's stores are issued: this tile's K slice of its row
@@ -296,18 +354,27 @@ def checked_gemm_kernel(
                 _side_part(b_desc, side_u_desc, u_scale_ptr, off_n, part, col_parts, k_tiles, colref_ptr, colref_ptr,
                            col_diff, col_diff, N, False, B_T, False, EVIDENCE, False, UPCAST, BN, BK)  # fmt: skip
     if EVIDENCE:
-        # Each thread fences its own totals, the barrier joins them, and one thread's release at gpu
-        # scope publishes them all to the last program, which acquires the count and finishes.
+        # A block is finished by the program whose count completes it (per-block counters after the
+        # launch's counter: row blocks, then column blocks); then the program counts itself into the
+        # launch, whose last program concludes from the blocks' verdicts. One fence per program: each
+        # thread fences its own additions, the barrier joins them. No one program judges the whole
+        # launch: the single finishing program it replaces made a 1.1B model's q_o forward with its
+        # by-product 9% slower and a GQA k/v forward 70% slower (benchmarks/gemm_diagnose.py, same
+        # run); counting each tile after the next tile's K loop instead measured the same and cost
+        # registers.
         fence_gpu(UPCAST)  # UPCAST is set exactly under the interpreter
         tl.debug_barrier()
-        done = tl.atomic_add(counters_ptr, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            tl.store(counters_ptr, 0)
-            finish_launch(totals_ptr, stats_ptr, stats_f64_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr,
-                          rowref_ptr, colref_ptr, byproduct_ptr, side_out_ptr, pool_data_ptr, pool_f32_ptr,
-                          pool_counter_ptr, row_threshold, col_threshold, M, N, K, row_parts, col_parts, stride_a,
-                          stride_b, data_len, f32_len, ROW_CHECK, COL_CHECK, BYPRODUCT, SIDE_OUT, DT, CAPTURE, POOL, A_T,
-                          B_T, BM, BN)  # fmt: skip
+        _finish_program_blocks(counters_ptr + 1, counters_ptr + 1 + tiles_m, tiles_m, tiles_n, totals_ptr, stats_ptr,
+                               stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N, ROW_CHECK or BYPRODUCT or SIDE_OUT,
+                               ROW_CHECK, COL_CHECK, BYPRODUCT, SIDE_OUT, DT, BM, BN, GROUP_M, UPCAST)  # fmt: skip
+        if ROW_CHECK or COL_CHECK:
+            fence_gpu(UPCAST)
+            tl.debug_barrier()
+            if count_done(counters_ptr, tl.num_programs(0)):
+                conclude_slot(stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr,
+                              colref_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold,
+                              M, N, K, row_parts, col_parts, stride_a, stride_b, data_len, f32_len, ROW_CHECK,
+                              COL_CHECK, CAPTURE, POOL, A_T, B_T, BM, BN)  # fmt: skip
 
 
 # -- host side --------------------------------------------------------------------------------------
@@ -330,8 +397,8 @@ class TritonGemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     # The evidence (and by-product) inside the GEMM launch, else in a second launch. Inside: one
-    # launch per checked GEMM (20–50 µs less host time per call); tiles add their sums to fp64 totals
-    # and the launch's last program judges them (gemm_evidence.finish_launch).
+    # launch per checked GEMM (20–50 µs less host time per call); tiles add their sums to fp64 totals,
+    # the program whose count completes a row (column) block judges it, the launch's last program concludes.
     inline_evidence: bool = True
 
 
@@ -442,9 +509,10 @@ class CapturePool:
 
 
 def counters_needed(m: int, n: int, cfg: TritonGemmConfig) -> int:
-    """int32 counters the evidence of a launch uses (one: programs, or blocks, done). Zero before a
+    """int32 counters the evidence of a launch uses: programs (or blocks) done, then, for evidence
+    inside the launch, the tiles done of each row block and of each column block. Zero before a
     launch, left zero after it."""
-    return 1
+    return 1 + (ceil_div(m, cfg.block_m) + ceil_div(n, cfg.block_n) if cfg.inline_evidence else 0)
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
@@ -656,7 +724,7 @@ class _Layout:
     shape_ints: tuple[int, ...]  # side_all, row_parts, col_parts, M, N, K
     checked: bool  # evidence is computed (it needs a stats slot and counters)
     inline: bool  # evidence and by-product finished inside the GEMM launch (it needs counters)
-    totals: torch.Tensor  # fp64 [3·M + 2·N], zero (inline: the launch's sums; gemm_evidence.finish_launch)
+    totals: torch.Tensor  # fp64 [3·M + 2·N], zero (inline: the launch's sums; gemm_evidence)
     evidence: tuple[int, dict] | None  # the second launch's programs and constexprs (evidence, by-product)
     counters: int  # counters the evidence needs
     fill: _Fillers  # the device's fillers for absent tensors
