@@ -187,7 +187,10 @@ def _finish_program_blocks(row_done, col_done, tiles_m, tiles_n, totals_ptr, sta
                            CHUNK: tl.constexpr = 16):  # fmt: skip
     """Inline evidence, once a program's tiles are done and fenced: each of its tiles counted into its
     row block and column block, CHUNK tiles in one vector of relaxed atomics (their round trips in
-    parallel: gemm_evidence.take_ticket), and the blocks those counts completed finished here."""
+    parallel; the count before each is the tile's ticket, and the ticket contributions − 1 completes
+    its block), and the blocks those counts completed finished here. The fence before the counts
+    makes them a release of the program's additions, the fence before a block's finish an acquire
+    of everyone's (`_finish_completed`)."""
     first_tile = tl.program_id(0)
     step = tl.num_programs(0)
     mine = tl.cdiv(tiles_m * tiles_n - first_tile, step)
