@@ -263,10 +263,10 @@ def test_the_byproduct_is_the_same_whoever_finishes_it(checked, dtype):
 
 
 def test_inline_evidence_leaves_its_totals_zero():
-    # The tiles' fp64 totals live in a workspace every launch shares; the tile that completes a block
-    # puts back to zero what the launch added to it, and every counter goes back to zero (here a
-    # faulted wgrad with row and column checks and a by-product, a row-only launch after it), so the
-    # next launch starts clean and judges only its own sums.
+    # The tiles' fp64 totals live in a workspace every launch shares; the program whose count
+    # completes a block puts back to zero what the launch added to it, and every counter goes back to
+    # zero (here a faulted wgrad with row and column checks and a by-product, a row-only launch after
+    # it), so the next launch starts clean and judges only its own sums.
     a, b, flags, logical = orientation("wgrad", 64, 48, 96, torch.float16, seed=5)
     A, B = logical
     cfg = dataclasses.replace(tg.default_config(), inline_evidence=True)

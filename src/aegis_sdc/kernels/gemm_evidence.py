@@ -13,10 +13,11 @@ Two ways to run it (`TritonGemmConfig.inline_evidence`); either also finishes th
 - inline (the default): inside the GEMM launch, so a checked GEMM is one launch. Every tile adds its
   share to fp64 totals [3·M + 2·N] of the launch with relaxed atomics (`add_totals`: row sums and
   sums of squares of its accumulator, minus its K slice of A·c, plus its slice of A·1; the same per
-  column for a column check), fences and counts itself into its row block and column block
-  (`count_done`); the tile that completes a block reads that block's totals and leaves them zero by
-  atomic exchange (`take_totals`), judges it into the slot and writes its by-product
-  (`finish_row_block`, `finish_col_block`); the launch's last program concludes (`conclude_slot`).
+  column for a column check); once its tiles are done, each program fences once and counts them
+  into their row and column blocks (triton_gemm._finish_program_blocks); the program whose count
+  completes a block reads that block's totals and leaves them zero by atomic exchange
+  (`take_totals`), judges it into the slot and writes its by-product (`finish_row_block`,
+  `finish_col_block`); the launch's last program concludes (`count_done`, `conclude_slot`).
   Finishing is spread over the launch: no program judges the whole GEMM at its end. The order of
   the fp64 additions varies from launch to launch; the evidence moves by fp64 rounding of its terms
   only (~1e-16), nothing a verdict can see, and the partials a replay compares stay per tile and
@@ -75,8 +76,8 @@ def _sum_parts(ptr, parts, size, offs, mask, PCHUNK: tl.constexpr):
 
 @triton.jit
 def judge_block(total, sq, start, mask, stats_ptr, stats_f64_ptr, SLOT: tl.constexpr, L2_SLOT: tl.constexpr):
-    """One block of rows (columns) from `start`: from their fp64 differences Σ − ref and sums of squares [R], the
-    normalized differences |Σ − ref| / (u·√Σsq) folded into the launch's slot by atomics — the packed
+    """One block of rows (columns) from `start`: from their fp64 differences Σ − ref and sums of
+    squares [R], the normalized differences |Σ − ref| / (u·√Σsq) folded into the launch's slot by atomics — the packed
     (value, index) maximum, the non-finite flag, Σ (Σ − ref)² (a statistic: order-free is fine). A
     sum of squares that overflowed fp32 (|C| ≳ 10¹⁹) counts as non-finite."""
     raw = tl.where(mask, tl.abs(total), 0.0)
@@ -238,10 +239,9 @@ def take_totals(total_ptr, offs, mask, CHUNK: tl.constexpr):
     launches of a protected 1.1B-model step judged wrong totals — among them rows whose dY is zero,
     whose every addition is 0, read non-zero (normalized differences of 1e26–1e34 against ~10² from
     the same GEMM's second-launch evidence: the comparison `benchmarks/evidence_shadow.py` makes),
-    although every program
-    fences before it counts itself done. The exchange is an atomic at the same point of coherence as
-    the tiles' additions, and it reads and zeroes in one step: 0 disagreements in the same runs, and
-    no slower (benchmarks/results/alarms/README.md)."""
+    although every program fences before it counts itself done. The exchange is an atomic at the
+    same point of coherence as the tiles' additions, and it reads and zeroes in one step: 0
+    disagreements in the same runs, and no slower (benchmarks/results/alarms/README.md)."""
     bits = tl.atomic_xchg(total_ptr.to(tl.pointer_type(tl.int64)) + offs, tl.zeros((CHUNK,), dtype=tl.int64),
                           mask=mask, sem="relaxed", scope="gpu")  # fmt: skip
     return tl.where(mask, bits.to(tl.float64, bitcast=True), 0.0)
@@ -251,8 +251,9 @@ def take_totals(total_ptr, offs, mask, CHUNK: tl.constexpr):
 def finish_row_block(totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, start, M,
                      ROW_CHECK: tl.constexpr, BYPRODUCT: tl.constexpr, SIDE_OUT: tl.constexpr, DT: tl.constexpr,
                      BLOCK: tl.constexpr):  # fmt: skip
-    """Inline evidence, by the tile that completes row block [start, start + BLOCK): its totals taken
-    (and left zero) — the row evidence folded into the slot, the by-product A·1 and its S stored."""
+    """Inline evidence, by the program whose count completes row block [start, start + BLOCK): its
+    totals taken (and left zero) — the row evidence folded into the slot, the by-product A·1 and its
+    S stored."""
     offs = start + tl.arange(0, BLOCK)
     mask = offs < M
     if ROW_CHECK:
@@ -269,8 +270,8 @@ def finish_row_block(totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr, side_o
 
 @triton.jit
 def finish_col_block(totals_ptr, stats_ptr, stats_f64_ptr, start, M, N, BLOCK: tl.constexpr):
-    """Inline evidence, by the tile that completes column block [start, start + BLOCK): its totals
-    taken (and left zero), the column evidence folded into the slot."""
+    """Inline evidence, by the program whose count completes column block [start, start + BLOCK): its
+    totals taken (and left zero), the column evidence folded into the slot."""
     offs = start + tl.arange(0, BLOCK)
     mask = offs < N
     diff = take_totals(totals_ptr + 3 * M, offs, mask, BLOCK)
