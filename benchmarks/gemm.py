@@ -106,10 +106,11 @@ class Case:
         }
         self.flops = 2 * m * k * n
 
-    def ours(self, mode: str):
-        """Our launch for `mode` (see the module docstring)."""
+    def ours(self, mode: str, cfg: tg.TritonGemmConfig | None = None):
+        """Our launch for `mode` (see the module docstring), at the shape's configuration or `cfg`."""
+        cfg = cfg or self.cfg
         if mode == "unchecked":
-            return lambda: tg.launch_checked_gemm(self.a, self.b, self.out, a_t=self.a_t, b_t=self.b_t, cfg=self.cfg)
+            return lambda: tg.launch_checked_gemm(self.a, self.b, self.out, a_t=self.a_t, b_t=self.b_t, cfg=cfg)
         col = mode == "colopt" or (mode == "rowcol" and self.kind == "wgrad")
         capture = tg.CAPTURE_TILE if col else tg.CAPTURE_ROWS
 
@@ -124,7 +125,7 @@ class Case:
                 row_check=True, row_side=True, col_check=col, stats=self.stats, counters=self.counters,
                 pool=self.pools[capture], capture=capture,
                 row_threshold=1e30, col_threshold=1e30,  # timing: no alarm, so no capture copy (rare path)
-                cfg=self.cfg, scratch=True,
+                cfg=cfg, scratch=True,
             )  # fmt: skip
 
         return run

@@ -3,8 +3,9 @@
 For a few shapes, device time (`common.device_ms`: CUDA-graph replays) of: cuBLAS; our kernel
 unchecked; with the reference side only (no partials, no evidence); with the epilogue partials only
 (no side, no evidence); the full row check with evidence inside the launch and in a second launch;
-the row check with the by-product (the training step's checked forward and dgrad); the by-product
-A·1 alone, inside and in a second launch; the wgrad's row+col check. Then the host
+the row check with the by-product (the training step's checked forward and dgrad), its evidence
+inside the launch from fp64 totals the tiles add by atomics or from their stored parts; the by-product
+A·1 alone, inside and in a second launch; the wgrad's row+col check (both ways inside). Then the host
 time per launch (launches queued back to back, no synchronization), and the registers and spills of
 every compiled variant.
 
@@ -36,6 +37,7 @@ def variants(case: Case) -> dict:
     checked = dict(c_side=case.c_side, row_check=True, row_side=True, stats=case.stats, counters=case.counters,
                    pool=case.pools[tg.CAPTURE_ROWS], capture=tg.CAPTURE_ROWS, row_threshold=1e30)  # fmt: skip
     inline = dataclasses.replace(cfg, inline_evidence=True)
+    parts = dataclasses.replace(cfg, inline_evidence=True, inline_totals=False)  # inside, from the stored parts
     separate = dataclasses.replace(cfg, inline_evidence=False)
     # The by-product A·1 (and its S) a later wgrad reads: alone (no check: what finishing it costs),
     # and with the row check (the training step's checked forward and dgrad).
@@ -52,9 +54,11 @@ def variants(case: Case) -> dict:
         "row_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **checked),
         "row_separate": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": separate}, **checked),
         "row_byproduct_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **training),
+        "row_byproduct_parts": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": parts}, **training),
         "byproduct_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **byproduct),
         "byproduct_separate": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": separate}, **byproduct),
         "rowcol": case.ours("rowcol"),
+        "rowcol_parts": case.ours("rowcol", parts),
     }
 
 
@@ -68,6 +72,7 @@ def _variant_of(compiled) -> str:
             "ROW_SIDE",
             "COL_CHECK",
             "EVIDENCE",
+            "TOTALS",
             "BYPRODUCT",
             "SIDE_OUT",
             "BM",

@@ -14,7 +14,11 @@
 #   attention-sensitivity  detection per stage and check, false alarms (results/sensitivity_attention_triton.json)
 #   attention-routed       protected models with attention on the Triton kernels: the attention and hot-path GPU
 #                          tests (no host sync per call), and the HF step unprotected / 1% budget / full
-#   tests         every GPU-marked test, then the kernels' small-shape tests on CUDA
+#   tests-1       the GPU-marked tests of models and the hot path (attention routing, the clean-run matrix,
+#                 fingerprints, hot path): about 6 minutes
+#   tests-2       the GPU-marked tests of the kernels (GEMM, Linear, attention; about 4 minutes), then the
+#                 GEMM's small-shape tests on CUDA
+#   tile-check    the tile-local row check probe (results/gemm_tile_check.json)
 #   e2e-eager | e2e-compiled | e2e-own   the end-to-end step record (results/e2e_step.json); the
 #                 later ones resume the file the device holds, which is the tree's (a call's outputs
 #                 do not stay on the device): `e2e` runs eager and compiled in one call
@@ -34,7 +38,7 @@ e2e_compiled() {
   timeout "$1" python benchmarks/e2e_step.py --workloads hf --modes compiled --resume --out "$results" \
     2>&1 | grep -v Warn | tee "$out/e2e_compiled.log"
 }
-case "${1:-tests}" in
+case "${1:-tests-1}" in
   kernel)
     timeout 300 python -m pytest -q tests/test_triton_gemm.py tests/test_triton_linear.py -p no:cacheprovider \
       2>&1 | tee "$out/kernel_tests.log" | tail -30
@@ -80,10 +84,19 @@ case "${1:-tests}" in
       -p no:cacheprovider 2>&1 | tee "$out/attention_routed_tests.log" | tail -15
     timeout 330 python benchmarks/e2e_step.py --workloads hf --configs unprotected,budget_1pct,full --rounds 3 \
       --triton-attention --out "$out/e2e_attention.json" 2>&1 | grep -v Warn | tee "$out/e2e_attention.log" ;;
-  tests)
-    timeout 420 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40
-    timeout 140 python -m pytest -q -m "not gpu" tests/test_triton_gemm.py -p no:cacheprovider 2>&1 \
+  tests-1)
+    timeout 570 python -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=10 \
+      --ignore=tests/test_triton_gemm.py --ignore=tests/test_triton_linear.py --ignore=tests/test_triton_attention.py \
+      2>&1 | tee "$out/gpu_tests_1.log" | tail -40 ;;
+  tests-2)
+    timeout 400 python -m pytest -q -m gpu tests/test_triton_gemm.py tests/test_triton_linear.py \
+      tests/test_triton_attention.py -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu_tests_2.log" | tail -40
+    timeout 150 python -m pytest -q -m "not gpu" tests/test_triton_gemm.py -p no:cacheprovider 2>&1 \
       | tee "$out/gpu_small_shape_tests.log" | tail -15 ;;
+  tile-check)
+    timeout 400 python benchmarks/gemm_tile_check.py --out benchmarks/results/gemm_tile_check.json 2>&1 \
+      | tee "$out/gemm_tile_check.log" | tail -25
+    cp benchmarks/results/gemm_tile_check.json "$out/" ;;
   e2e)
     e2e_eager 200 | tail -12
     e2e_compiled 370 | tail -16
@@ -98,5 +111,5 @@ case "${1:-tests}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|evidence|diagnose|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|evidence|diagnose|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

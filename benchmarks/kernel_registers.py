@@ -7,12 +7,15 @@ Triton's bundled `ptxas` (no GPU needed: Triton compiles for a named target), an
 one's registers per thread and spill bytes. A spill in a persistent GEMM's epilogue is paid by
 every tile; the GPU record (`gemm_diagnose.py`, `n_spills`) says the same on the device.
 
-    python benchmarks/kernel_registers.py [--out benchmarks/results/kernel_registers.json]
+    python benchmarks/kernel_registers.py [--evidence totals|parts] [--out benchmarks/results/kernel_registers.json]
+
+`--evidence parts` compiles them with `inline_totals` off (the finish sums the tiles' stored parts).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -68,7 +71,8 @@ def _ptxas() -> str:
 def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
     label, a_t, b_t, row_check, col_check, byproduct = kind
     constexprs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=False, ROW_CHECK=row_check, ROW_SIDE=True, COL_CHECK=col_check,
-                      FAULT=tg.FAULT_NONE, EVIDENCE=True, BYPRODUCT=byproduct, SIDE_OUT=byproduct,
+                      FAULT=tg.FAULT_NONE, EVIDENCE=True, TOTALS=cfg.inline_totals, BYPRODUCT=byproduct,
+                      SIDE_OUT=byproduct,
                       CAPTURE=(tg.CAPTURE_TILE if col_check else tg.CAPTURE_ROWS) if row_check else tg.CAPTURE_NONE,
                       POOL=POOL_SLOTS, DT=tl.bfloat16, UPCAST=False, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                       GROUP_M=cfg.group_m)  # fmt: skip
@@ -88,7 +92,8 @@ def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
     stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text).groups())
     row = {"class": cls, "kind": label, "block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
            "num_stages": cfg.num_stages, "registers": registers, "spill_store_bytes": stores,
-           "spill_load_bytes": loads, "compile_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+           "spill_load_bytes": loads, "inline_totals": cfg.inline_totals,
+           "compile_s": round(time.perf_counter() - started, 1)}  # fmt: skip
     print(row, flush=True)
     return row
 
@@ -96,6 +101,8 @@ def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_registers.json")
+    parser.add_argument("--evidence", choices=["totals", "parts"], default="totals",
+                        help="inside the launch: fp64 totals by atomics, or parts summed at the finish")  # fmt: skip
     args = parser.parse_args()
     configs: dict[tuple, list[str]] = {}  # one compile per distinct configuration
     for cls, cfg in tg.HOPPER_TABLE.items():
@@ -103,7 +110,7 @@ def main() -> None:
         configs[(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.group_m)].append(cls)
     rows = []
     for classes in configs.values():
-        cfg = tg.HOPPER_TABLE[classes[0]]
+        cfg = dataclasses.replace(tg.HOPPER_TABLE[classes[0]], inline_totals=args.evidence == "totals")
         rows += [measure(",".join(classes), cfg, kind) for kind in KINDS]
     env = {"triton": triton.__version__, "target": "sm_90a", "ptxas": _ptxas().rsplit("/", 1)[-1],
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", *sys.argv])}  # fmt: skip

@@ -198,18 +198,20 @@ def test_launches_are_deterministic_and_counters_reset():
     assert torch.equal(first[2], second[2])  # the evidence slot too
 
 
+@pytest.mark.parametrize("totals", [True, False], ids=["totals", "parts"])
 @pytest.mark.parametrize("kind", ["fwd", "wgrad"])
 @pytest.mark.parametrize("mkn", [(64, 48, 96), (288, 32, 640)], ids=["few-tiles", "many-tiles"])
-def test_inline_and_separate_evidence_agree(kind, mkn):
+def test_inline_and_separate_evidence_agree(kind, mkn, totals):
     # The verdict, indices and capture are the same whether the programs that complete the blocks
-    # judge the tiles' totals (inline) or a second launch sums the tiles' parts; the maxima agree to
-    # fp64 rounding of the sums' order: inline, tiles add their fp64 sums atomically in arrival order,
-    # so a row's difference |Σ − ref| (here ≥ 2.0, the fault) moves by ~1e-16 of Σ — far below 1e-6
-    # of it. Many tiles: 180 tiles of 32×32 on the interpreter's 4 programs, 45 each, so a program
-    # counts its tiles in several vectors and completes several blocks.
+    # judge them inside the launch or a second launch sums the tiles' parts. From fp64 totals the
+    # tiles add atomically in arrival order (`totals`), the maxima agree to fp64 rounding of that
+    # order: a row's difference |Σ − ref| (here ≥ 2.0, the fault) moves by ~1e-16 of Σ — far below
+    # 1e-6 of it; from the tiles' stored parts (`parts`) the finish sums them in the second launch's
+    # order, so the slot's maxima and verdict are the same bit for bit. Many tiles: 180 tiles of 32×32 on the interpreter's
+    # 4 programs, 45 each, so a program counts its tiles in several vectors and completes several blocks.
     a, b, flags, logical = orientation(kind, *mkn, torch.float16, seed=3)
     fault = (tg.FAULT_PERTURB, 17, 50, 2.0, 0)
-    inline_cfg = dataclasses.replace(tg.default_config(), inline_evidence=True)
+    inline_cfg = dataclasses.replace(tg.default_config(), inline_evidence=True, inline_totals=totals)
     separate_cfg = dataclasses.replace(tg.default_config(), inline_evidence=False)
     runs = [launch(a, b, flags, logical, torch.float16, fault=fault, thresholds=(40.0, 40.0), cfg=cfg)
             for cfg in (inline_cfg, separate_cfg)]  # fmt: skip
@@ -220,6 +222,8 @@ def test_inline_and_separate_evidence_agree(kind, mkn):
         assert ev1[key] == ev2[key], key
     for key in ("row", "col"):
         assert ev1[key] == pytest.approx(ev2[key], rel=1e-6), key
+    if not totals:  # all but the L2 statistics, which every block adds to by an atomic (any order)
+        assert torch.equal(stats1[: tg.ST_ROW_L2SQ], stats2[: tg.ST_ROW_L2SQ])
     assert ev1["alarm"] == 3 and ev1["row_index"] == 17
     assert counters1.abs().sum() == 0 and counters2.abs().sum() == 0
     assert torch.equal(call1.pool.f32[0], call2.pool.f32[0]) and torch.equal(call1.pool.data[0], call2.pool.data[0])
@@ -237,8 +241,8 @@ def test_the_byproduct_is_the_same_whoever_finishes_it(checked, dtype):
     a, b, flags, logical = orientation("fwd", m, k, n, dtype, seed=7)
     A64 = logical[0].double().cpu()
     got = []
-    for inline in (True, False):
-        cfg = dataclasses.replace(tg.default_config(), inline_evidence=inline)
+    for inline, totals in ((True, True), (False, True), (True, False)):
+        cfg = dataclasses.replace(tg.default_config(), inline_evidence=inline, inline_totals=totals)
         out = torch.empty(m, n, dtype=dtype, device=DEVICE)
         vec = torch.full((m,), float("nan"), dtype=torch.float64, device=DEVICE)
         side = torch.zeros(m, 16, dtype=dtype, device=DEVICE) if dtype == torch.bfloat16 else None
@@ -250,7 +254,9 @@ def test_the_byproduct_is_the_same_whoever_finishes_it(checked, dtype):
         )  # fmt: skip
         assert counters.abs().sum() == 0  # left zero for the next launch
         got.append((vec.cpu(), None if side is None else side.cpu()))
-    (vec1, side1), (vec2, side2) = got
+    (vec1, side1), (vec2, side2), (vec3, side3) = got
+    # inside the launch from the stored slices: the second launch's sums, bit for bit
+    assert torch.equal(vec3, vec2) and (side3 is None or torch.equal(side3, side2))
     ulps = 8 * torch.finfo(torch.float64).eps * vec2.abs()
     assert torch.all((vec1 - vec2).abs() <= ulps)
     if side1 is not None:  # S's parts are the bf16 roundings of the fp64 value: equal unless a rounding
@@ -505,7 +511,8 @@ def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape):
 
 
 @pytest.mark.gpu
-def test_gpu_evidence_inside_the_launch_agrees_with_a_second_launch_back_to_back():
+@pytest.mark.parametrize("totals", [True, False], ids=["totals", "parts"])
+def test_gpu_evidence_inside_the_launch_agrees_with_a_second_launch_back_to_back(totals):
     # The training step's way of launching: checked GEMMs of every shape class and kind (forwards
     # with their by-product, dgrads, wgrads with the column check) queued back to back on one stream
     # with the shared workspaces (`scratch`), nothing synchronized between them — then each launch's
@@ -522,9 +529,9 @@ def test_gpu_evidence_inside_the_launch_agrees_with_a_second_launch_back_to_back
                 base = tg.config_for(rows, cols, inner)
                 for inline, runs in ((True, inline_runs), (False, separate_runs)):
                     vec = torch.empty(rows, dtype=torch.float64, device=DEVICE) if kind == "fwd" else None
+                    cfg = dataclasses.replace(base, inline_evidence=inline, inline_totals=totals)
                     _, _, stats, _, _ = launch(a, b, flags, logical, dtype, thresholds=(1e30, 1e30),
-                                               col=kind == "wgrad", byproduct=vec, scratch=inline,
-                                               cfg=dataclasses.replace(base, inline_evidence=inline))  # fmt: skip
+                                               col=kind == "wgrad", byproduct=vec, scratch=inline, cfg=cfg)  # fmt: skip
                     runs.append((shape, kind, stats, vec))
     torch.cuda.synchronize()
     for (shape, kind, stats1, vec1), (_, _, stats2, vec2) in zip(inline_runs, separate_runs, strict=True):
@@ -539,7 +546,8 @@ def test_gpu_evidence_inside_the_launch_agrees_with_a_second_launch_back_to_back
 
 
 @pytest.mark.gpu
-def test_gpu_evidence_inside_the_launch_holds_at_a_training_steps_scale():
+@pytest.mark.parametrize("totals", [True, False], ids=["totals", "parts"])
+def test_gpu_evidence_inside_the_launch_holds_at_a_training_steps_scale(totals):
     # The 1.1B model's row-checked launches at 8192 tokens — forwards with their by-product, dgrads —
     # 12 of each shape back to back on the shared workspaces, against the second launch's evidence.
     # Small grids (the shape table above) never showed it, but at this size a last program that read
@@ -558,9 +566,9 @@ def test_gpu_evidence_inside_the_launch_holds_at_a_training_steps_scale():
             base = tg.config_for(tokens, n, k)
             for inline, runs in ((True, inline_runs), (False, separate_runs)):
                 vec = torch.empty(tokens, dtype=torch.float64, device=DEVICE) if kind == "fwd" else None
+                cfg = dataclasses.replace(base, inline_evidence=inline, inline_totals=totals)
                 _, _, stats, _, _ = launch(a, b, flags, logical, dtype, thresholds=(1e30, 1e30), col=False,
-                                           byproduct=vec, scratch=inline,
-                                           cfg=dataclasses.replace(base, inline_evidence=inline))  # fmt: skip
+                                           byproduct=vec, scratch=inline, cfg=cfg)  # fmt: skip
                 runs.append((f"{kind} {k}->{n} #{rep}", stats, vec))
     torch.cuda.synchronize()
     for (label, stats1, vec1), (_, stats2, vec2) in zip(inline_runs, separate_runs, strict=True):

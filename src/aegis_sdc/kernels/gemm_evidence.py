@@ -21,7 +21,10 @@ Two ways to run it (`TritonGemmConfig.inline_evidence`); either also finishes th
   Finishing is spread over the launch: no program judges the whole GEMM at its end. The order of
   the fp64 additions varies from launch to launch; the evidence moves by fp64 rounding of its terms
   only (~1e-16), nothing a verdict can see, and the partials a replay compares stay per tile and
-  bit-exact.
+  bit-exact. With `TritonGemmConfig.inline_totals` off, the tiles add nothing: the completing
+  program sums the block's stored partials and side slices in their fixed order
+  (`finish_row_block_parts`, `finish_col_block_parts`, as the second launch does) — no fp64 atomics
+  in the tiles, more reads at the finish, and the slot's maxima bit for bit the second launch's.
 - `evidence_kernel`: a second launch right after the GEMM on the same stream, one program per block,
   sums in a fixed order.
 
@@ -324,6 +327,29 @@ def finish_byproduct(rowones_ptr, parts, M, start, byproduct_ptr, side_out_ptr, 
         store_side(side_out_ptr, offs, mask, ones, DT)
 
 
+@triton.jit
+def finish_row_block_parts(row_part_ptr, rsq_part_ptr, rowref_ptr, rowones_ptr, tiles_n, row_parts, M, start,
+                           stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, ROW_CHECK: tl.constexpr,
+                           BYPRODUCT: tl.constexpr, SIDE_OUT: tl.constexpr, DT: tl.constexpr,
+                           BLOCK: tl.constexpr):  # fmt: skip
+    """Row block [start, start + BLOCK) from the tiles' stored partials and side slices, summed in their
+    fixed order: the row evidence folded into the slot, the by-product A·1 and its S stored (the
+    second launch's row blocks, and the inline finish without totals)."""
+    if ROW_CHECK:
+        block_evidence(row_part_ptr, rsq_part_ptr, rowref_ptr, tiles_n, row_parts, M, start, stats_ptr, stats_f64_ptr,
+                       _ST_ROW, _ST_ROW_L2SQ, BLOCK)  # fmt: skip
+    if BYPRODUCT or SIDE_OUT:
+        finish_byproduct(rowones_ptr, row_parts, M, start, byproduct_ptr, side_out_ptr, BYPRODUCT, SIDE_OUT, DT, BLOCK)
+
+
+@triton.jit
+def finish_col_block_parts(col_part_ptr, csq_part_ptr, colref_ptr, tiles_m, col_parts, N, start, stats_ptr,
+                           stats_f64_ptr, BLOCK: tl.constexpr):  # fmt: skip
+    """Column block [start, start + BLOCK) from the tiles' stored partials and side slices."""
+    block_evidence(col_part_ptr, csq_part_ptr, colref_ptr, tiles_m, col_parts, N, start, stats_ptr, stats_f64_ptr,
+                   _ST_COL, _ST_COL_L2SQ, BLOCK)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["M", "N", "K", "row_parts", "col_parts", "stride_a", "stride_b", "data_len", "f32_len"])
 def evidence_kernel(
     a_ptr,
@@ -374,15 +400,12 @@ def evidence_kernel(
     pid = tl.program_id(0)
     row_blocks = tiles_m if (ROW_CHECK or BYPRODUCT or SIDE_OUT) else 0
     if pid < row_blocks:
-        if ROW_CHECK:
-            block_evidence(row_part_ptr, rsq_part_ptr, rowref_ptr, tiles_n, row_parts, M, pid * BM, stats_ptr,
-                           stats_f64_ptr, _ST_ROW, _ST_ROW_L2SQ, BM)  # fmt: skip
-        if BYPRODUCT or SIDE_OUT:
-            finish_byproduct(rowones_ptr, row_parts, M, pid * BM, byproduct_ptr, side_out_ptr, BYPRODUCT, SIDE_OUT, DT,
-                             BM)  # fmt: skip
+        finish_row_block_parts(row_part_ptr, rsq_part_ptr, rowref_ptr, rowones_ptr, tiles_n, row_parts, M, pid * BM,
+                               stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, ROW_CHECK, BYPRODUCT, SIDE_OUT,
+                               DT, BM)  # fmt: skip
     else:
-        block_evidence(col_part_ptr, csq_part_ptr, colref_ptr, tiles_m, col_parts, N, (pid - row_blocks) * BN,
-                       stats_ptr, stats_f64_ptr, _ST_COL, _ST_COL_L2SQ, BN)  # fmt: skip
+        finish_col_block_parts(col_part_ptr, csq_part_ptr, colref_ptr, tiles_m, col_parts, N, (pid - row_blocks) * BN,
+                               stats_ptr, stats_f64_ptr, BN)  # fmt: skip
     if ROW_CHECK or COL_CHECK:  # noqa: SIM102  (a compile-time branch around a run-time one)
         if count_done(counter_ptr, tl.num_programs(0)):
             conclude_slot(stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr, colref_ptr,

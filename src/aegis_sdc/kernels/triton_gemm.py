@@ -62,7 +62,9 @@ from aegis_sdc.kernels.gemm_evidence import (  # noqa: F401  (the evidence layou
     evidence_kernel,
     fence_gpu,
     finish_col_block,
+    finish_col_block_parts,
     finish_row_block,
+    finish_row_block_parts,
 )
 from aegis_sdc.kernels.gemm_side import (
     SIDE_COLUMNS,
@@ -160,31 +162,44 @@ def _store_partials(acc, AXIS: tl.constexpr, part_ptr, sq_ptr, offs, mask, diff_
 
 
 @triton.jit
-def _finish_completed(done, index, block, counter_ptr, totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr,
+def _finish_completed(done, index, block, counter_ptr, totals_ptr, parts, stats_ptr, stats_f64_ptr, byproduct_ptr,
                       side_out_ptr, M, N, ROWS: tl.constexpr, ROW_CHECK: tl.constexpr, BYPRODUCT: tl.constexpr,
-                      SIDE_OUT: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+                      SIDE_OUT: tl.constexpr, TOTALS: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr,
+                      INTERPRETED: tl.constexpr):  # fmt: skip
     """Finish the blocks [CHUNK] (`block`) whose tickets `done` completed them, one at a time (a
-    program completes about one block per launch): everyone's additions acquired, the block's
-    counter put back to zero, its totals judged (gemm_evidence.finish_row_block / finish_col_block)."""
+    program completes about one block per launch): everyone's writes acquired, the block's counter
+    put back to zero, and the block judged — from the fp64 totals the tiles added to (TOTALS:
+    gemm_evidence.finish_row_block / finish_col_block), or from the tiles' stored partials and side
+    slices, summed in their fixed order (gemm_evidence.block_evidence, finish_byproduct). `parts`:
+    (row_part, rsq_part, rowref, rowones, row_parts, col_part, csq_part, colref, col_parts, tiles_m,
+    tiles_n)."""
     for _ in range(tl.sum(done.to(tl.int32), axis=0)):
         first = tl.min(tl.where(done, index, 2**30), axis=0)
         start = tl.sum(tl.where(index == first, block, 0), axis=0)
         done = done & (index != first)
         fence_gpu(INTERPRETED)
         tl.store(counter_ptr + start, 0)
-        if ROWS:
+        row_part, rsq_part, rowref, rowones, row_parts, col_part, csq_part, colref, col_parts, tiles_m, tiles_n = parts
+        if ROWS and TOTALS:
             finish_row_block(totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, start * BLOCK, M,
                              ROW_CHECK, BYPRODUCT, SIDE_OUT, DT, BLOCK)  # fmt: skip
-        else:
+        elif ROWS:
+            finish_row_block_parts(row_part, rsq_part, rowref, rowones, tiles_n, row_parts, M, start * BLOCK, stats_ptr,
+                                   stats_f64_ptr, byproduct_ptr, side_out_ptr, ROW_CHECK, BYPRODUCT, SIDE_OUT, DT,
+                                   BLOCK)  # fmt: skip
+        elif TOTALS:
             finish_col_block(totals_ptr, stats_ptr, stats_f64_ptr, start * BLOCK, M, N, BLOCK)
+        else:
+            finish_col_block_parts(col_part, csq_part, colref, tiles_m, col_parts, N, start * BLOCK, stats_ptr,
+                                   stats_f64_ptr, BLOCK)  # fmt: skip
 
 
 @triton.jit
-def _finish_program_blocks(row_done, col_done, tiles_m, tiles_n, totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr,
-                           side_out_ptr, M, N, ROWS: tl.constexpr, ROW_CHECK: tl.constexpr, COL_CHECK: tl.constexpr,
-                           BYPRODUCT: tl.constexpr, SIDE_OUT: tl.constexpr, DT: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr, GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
-                           CHUNK: tl.constexpr = 16):  # fmt: skip
+def _finish_program_blocks(row_done, col_done, tiles_m, tiles_n, totals_ptr, parts, stats_ptr, stats_f64_ptr,
+                           byproduct_ptr, side_out_ptr, M, N, ROWS: tl.constexpr, ROW_CHECK: tl.constexpr,
+                           COL_CHECK: tl.constexpr, BYPRODUCT: tl.constexpr, SIDE_OUT: tl.constexpr,
+                           TOTALS: tl.constexpr, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr = 16):  # fmt: skip
     """Inline evidence, once a program's tiles are done and fenced: each of its tiles counted into its
     row block and column block, CHUNK tiles in one vector of relaxed atomics (their round trips in
     parallel; the count before each is the tile's ticket, and the ticket contributions − 1 completes
@@ -201,14 +216,14 @@ def _finish_program_blocks(row_done, col_done, tiles_m, tiles_n, totals_ptr, sta
         pid_m, pid_n = _tile_coords(tiles, tiles_m, tiles_n, GROUP_M)
         if ROWS:
             ticket = tl.atomic_add(row_done + pid_m, 1, mask=valid, sem="relaxed", scope="gpu")
-            _finish_completed(valid & (ticket == tiles_n - 1), index, pid_m, row_done, totals_ptr, stats_ptr,
+            _finish_completed(valid & (ticket == tiles_n - 1), index, pid_m, row_done, totals_ptr, parts, stats_ptr,
                               stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N, True, ROW_CHECK, BYPRODUCT, SIDE_OUT,
-                              DT, BM, INTERPRETED)  # fmt: skip
+                              TOTALS, DT, BM, INTERPRETED)  # fmt: skip
         if COL_CHECK:
             ticket = tl.atomic_add(col_done + pid_n, 1, mask=valid, sem="relaxed", scope="gpu")
-            _finish_completed(valid & (ticket == tiles_m - 1), index, pid_n, col_done, totals_ptr, stats_ptr,
+            _finish_completed(valid & (ticket == tiles_m - 1), index, pid_n, col_done, totals_ptr, parts, stats_ptr,
                               stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N, False, ROW_CHECK, BYPRODUCT, SIDE_OUT,
-                              DT, BN, INTERPRETED)  # fmt: skip
+                              TOTALS, DT, BN, INTERPRETED)  # fmt: skip
 
 
 # Integer arguments are not specialized on their values (a shape seen for the first time reuses the
@@ -269,6 +284,7 @@ def checked_gemm_kernel(
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
     EVIDENCE: tl.constexpr,  # evidence and by-product finished inside this launch (gemm_evidence)
+    TOTALS: tl.constexpr,  # inside: tiles add to fp64 totals by atomics (else the finish sums their stored parts)
     BYPRODUCT: tl.constexpr,
     SIDE_OUT: tl.constexpr,
     CAPTURE: tl.constexpr,
@@ -331,16 +347,16 @@ def checked_gemm_kernel(
         # variants spilled 312–424 bytes per thread: benchmarks/kernel_registers.py).
         if ROW_CHECK and not COL_CHECK:
             _store_partials(acc, 1, row_part_ptr + pid_n * M, rsq_part_ptr + pid_n * M, offs_m, mask_m, row_diff,
-                            row_sq_total, EVIDENCE)  # fmt: skip
+                            row_sq_total, EVIDENCE and TOTALS)  # fmt: skip
         if ROW_CHECK:
             tl.store(out_part_ptr + pid_n * M + offs_m, tl.sum(out.to(tl.float32), axis=1), mask=mask_m)
         c_desc.store([off_m, off_n], out)
         if COL_CHECK:
             if ROW_CHECK:
                 _store_partials(acc, 1, row_part_ptr + pid_n * M, rsq_part_ptr + pid_n * M, offs_m, mask_m, row_diff,
-                                row_sq_total, EVIDENCE)  # fmt: skip
+                                row_sq_total, EVIDENCE and TOTALS)  # fmt: skip
             _store_partials(acc, 0, col_part_ptr + pid_m * N, csq_part_ptr + pid_m * N, offs_n, mask_n, col_diff,
-                            col_sq_total, EVIDENCE)  # fmt: skip
+                            col_sq_total, EVIDENCE and TOTALS)  # fmt: skip
         # The reference sides, after the tile's stores are issued: this tile's K slice of its row
         # block's A·S(c) (slice pid_n of tiles_n) and of its column block's Bᵀ·S(u1) (slice pid_m),
         # re-reading the slice's operand tiles (from L2: the tile has just read them). Every tile does
@@ -350,12 +366,13 @@ def checked_gemm_kernel(
         if ROW_SIDE:
             for part in range(tl.where(replay, 0, pid_n), tl.where(replay, row_parts, pid_n + 1)):
                 _side_part(a_desc, side_c_desc, c_scale_ptr, off_m, part, row_parts, k_tiles, rowref_ptr, rowones_ptr,
-                           row_diff, ones_total, M, True, A_T, True, EVIDENCE and ROW_CHECK,
-                           EVIDENCE and (BYPRODUCT or SIDE_OUT), UPCAST, BM, BK)  # fmt: skip
+                           row_diff, ones_total, M, True, A_T, True, EVIDENCE and TOTALS and ROW_CHECK,
+                           EVIDENCE and TOTALS and (BYPRODUCT or SIDE_OUT), UPCAST, BM, BK)  # fmt: skip
         if COL_CHECK:
             for part in range(tl.where(replay, 0, pid_m), tl.where(replay, col_parts, pid_m + 1)):
                 _side_part(b_desc, side_u_desc, u_scale_ptr, off_n, part, col_parts, k_tiles, colref_ptr, colref_ptr,
-                           col_diff, col_diff, N, False, B_T, False, EVIDENCE, False, UPCAST, BN, BK)  # fmt: skip
+                           col_diff, col_diff, N, False, B_T, False, EVIDENCE and TOTALS, False, UPCAST, BN,
+                           BK)  # fmt: skip
     if EVIDENCE:
         # A block is finished by the program whose count completes it (per-block counters after the
         # launch's counter: row blocks, then column blocks); then the program counts itself into the
@@ -367,9 +384,12 @@ def checked_gemm_kernel(
         # registers.
         fence_gpu(UPCAST)  # UPCAST is set exactly under the interpreter
         tl.debug_barrier()
-        _finish_program_blocks(counters_ptr + 1, counters_ptr + 1 + tiles_m, tiles_m, tiles_n, totals_ptr, stats_ptr,
-                               stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N, ROW_CHECK or BYPRODUCT or SIDE_OUT,
-                               ROW_CHECK, COL_CHECK, BYPRODUCT, SIDE_OUT, DT, BM, BN, GROUP_M, UPCAST)  # fmt: skip
+        parts = (row_part_ptr, rsq_part_ptr, rowref_ptr, rowones_ptr, row_parts, col_part_ptr, csq_part_ptr,
+                 colref_ptr, col_parts, tiles_m, tiles_n)  # fmt: skip
+        _finish_program_blocks(counters_ptr + 1, counters_ptr + 1 + tiles_m, tiles_m, tiles_n, totals_ptr, parts,
+                               stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N,
+                               ROW_CHECK or BYPRODUCT or SIDE_OUT, ROW_CHECK, COL_CHECK, BYPRODUCT, SIDE_OUT, TOTALS,
+                               DT, BM, BN, GROUP_M, UPCAST)  # fmt: skip
         if ROW_CHECK or COL_CHECK:
             fence_gpu(UPCAST)
             tl.debug_barrier()
@@ -403,6 +423,11 @@ class TritonGemmConfig:
     # launch per checked GEMM (20–50 µs less host time per call); tiles add their sums to fp64 totals,
     # the program whose count completes a row (column) block judges it, the launch's last program concludes.
     inline_evidence: bool = True
+    # Inside the launch, how a block's sums reach the program that finishes it: every tile adds its
+    # row (column) sums and side slices to fp64 totals by relaxed atomics (True), or the finishing
+    # program sums the block's stored per-tile partials and slices in their fixed order, as the
+    # second launch does (False: no fp64 atomics in the tiles, more reads at the finish).
+    inline_totals: bool = True
 
 
 # Hopper: 128×256×64 tiles, 8 warps, 3 stages run bf16 GEMMs at cuBLAS speed on the H200.
@@ -782,6 +807,7 @@ class _Layout:
             COL_CHECK=col_check,
             FAULT=model,
             EVIDENCE=inline,
+            TOTALS=inline and cfg.inline_totals,
             BYPRODUCT=has_byproduct and inline,
             SIDE_OUT=has_side_out and inline,
             CAPTURE=capture,
@@ -805,7 +831,7 @@ class _Layout:
         # fault row/column/mask are in the i32 range by construction (indices, a 32-bit mask)
         variant = (dev, *key[6:10], _wide(*strides, *shape_ints))
         options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        totals = buffer(dev, "totals", (3 * m + 2 * n,), f64, True) if inline else fill.f64
+        totals = buffer(dev, "totals", (3 * m + 2 * n,), f64, True) if inline and cfg.inline_totals else fill.f64
         return cls((min(num_sms(dev), tiles_m * tiles_n),), constexprs, options, variant, parts, results, strides,
                    shape_ints, evidence, inline, totals, second, counters_needed(m, n, cfg) if evidence or inline else 0,
                    fill, _Launcher(checked_gemm_kernel, constexprs, options, variant),

@@ -1,0 +1,184 @@
+"""A row check that every tile completes by itself (a GPU speed probe; the interpreter runs its self-test).
+
+Tile (i, j) compares its accumulator's row sums with A_i·c_j, c_j = B[:, block j]·1, taken as a
+second narrow MMA on the A tile the K loop already holds (S_j [K, 16] per column block: c_j split
+hi/lo/lo2), so no cross-tile totals, no side loop after the K loop, no finishing: each tile's
+largest normalized row difference goes to one atomic maximum. Against cuBLAS, our kernel unchecked
+and its row check (the training step's variant), in the same run.
+
+    python benchmarks/gemm_tile_check.py [--out benchmarks/results/gemm_tile_check.json]
+    TRITON_INTERPRET=1 python benchmarks/gemm_tile_check.py   # self-test on the CPU: clean 0, fault seen
+"""
+
+import argparse
+import os
+import statistics
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from aegis_sdc.kernels import triton_gemm as tg
+from aegis_sdc.kernels.gemm_side import SideMatrix
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def tile_check_kernel(a_ptr, b_ptr, c_ptr, s_ptr, scale_ptr, flag_ptr, M, N, K, stride_a, stride_b, stride_c,
+                      threshold, fault_row, fault_col, fault_delta, A_T: tl.constexpr, B_T: tl.constexpr,
+                      CHECK: tl.constexpr, FAULT: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    if A_T:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BK, BM])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BM, BK])
+    if B_T:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BN, BK])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BK, BN])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_c, 1], block_shape=[BM, BN])
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    s_desc = tl.make_tensor_descriptor(s_ptr, shape=[tiles_n * K, 16], strides=[16, 1], block_shape=[BK, 16])
+    for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+        pid_m, pid_n = tg._tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        side = tl.zeros((BM, 16), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = tg._load_a(a_desc, off_m, ki * BK, A_T, UPCAST)
+            acc = tl.dot(a, tg._load_b(b_desc, off_n, ki * BK, B_T, UPCAST), acc)
+            if CHECK:
+                s = s_desc.load([pid_n * K + ki * BK, 0])
+                side = tl.dot(a, s.to(tl.float32) if UPCAST else s, side)
+        if FAULT:  # one accumulator element goes wrong
+            rows = off_m + tl.arange(0, BM)
+            cols = off_n + tl.arange(0, BN)
+            hit = (rows == fault_row)[:, None] & (cols == fault_col)[None, :]
+            acc = tl.where(hit, acc + fault_delta, acc)
+        out = acc.to(c_ptr.dtype.element_ty)
+        if CHECK:
+            col = tl.arange(0, 16)[None, :]
+            scale_j = tl.load(scale_ptr + pid_n).to(tl.float64)  # 2ᵉ of S_j (1 for bf16)
+            ref = tl.sum(tl.where(col < 3, side, 0.0).to(tl.float64), axis=1) / scale_j
+            total = tl.sum(acc, axis=1)
+            sq = tl.sum(acc * acc, axis=1)
+            out_total = tl.sum(out.to(tl.float32), axis=1)
+            scale = tl.sqrt(sq.to(tl.float64)) + 1e-30
+            # the output's row sums are formed (as the kernel's check does) but judged elsewhere
+            d = tl.abs(total.to(tl.float64) - ref) / scale + 0.0 * out_total.to(tl.float64)
+            worst = tl.max(d, axis=0)
+            # one flag per launch, touched only by a tile that alarms (rare)
+            tl.atomic_max(flag_ptr, worst.to(tl.float32), mask=worst > threshold, sem="relaxed")
+        c_desc.store([off_m, off_n], out)
+
+
+def side_blocks(b, b_t, bn, dtype):
+    """S_j [tiles_n·K, 16]: per column block j of B, S of c_j = B[:, block j]·1."""
+    bk = b.t() if b_t else b  # logical B [K, N]
+    k, n = bk.shape
+    tiles_n = -(-n // bn)
+    pad = tiles_n * bn - n
+    bb = torch.nn.functional.pad(bk.double(), (0, pad))
+    cj = bb.view(k, tiles_n, bn).sum(2).t().contiguous()  # [tiles_n, K]
+    sides = [SideMatrix.of(cj[j], dtype) for j in range(tiles_n)]
+    return torch.cat([x.matrix for x in sides]), torch.cat([x.scale for x in sides])
+
+
+def launch(a, b, out, s, flag, a_t, b_t, check, cfg, threshold=1e30, fault=None):
+    M, N = out.shape
+    K = a.shape[0] if a_t else a.shape[1]
+    tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
+    grid = (min(tg.num_sms(a.device), tiles),)
+    tile_check_kernel[grid](a, b, out, s[0], s[1], flag, M, N, K, a.stride(0), b.stride(0), out.stride(0), threshold,
+                            *(fault or (0, 0, 0.0)), A_T=a_t, B_T=b_t, CHECK=check, FAULT=fault is not None,
+                            UPCAST=INTERPRET, BM=cfg.block_m, BN=cfg.block_n,
+                            BK=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                            num_stages=cfg.num_stages)  # fmt: skip
+
+
+def selftest():
+    torch.manual_seed(0)
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+    cfg = tg.INTERPRETER_CONFIG
+    for a_t, b_t in [(False, True), (True, False), (False, False)]:
+        M, N, K = 64, 96, 48
+        A = torch.randn(M, K, dtype=torch.float16)
+        B = torch.randn(K, N, dtype=torch.float16)
+        a = A.t().contiguous() if a_t else A
+        b = B.t().contiguous() if b_t else B
+        out = torch.empty(M, N, dtype=torch.float16)
+        s = side_blocks(b, b_t, cfg.block_n, torch.float16)
+        flag = torch.zeros(1)
+        launch(a, b, out, s, flag, a_t, b_t, True, cfg, threshold=1e-5)
+        ref = A.float() @ B.float()
+        assert (out.float() - ref).abs().max().item() < 0.05 and flag.item() == 0.0, flag  # fp16 output rounding
+        launch(a, b, out, s, flag, a_t, b_t, True, cfg, threshold=1e-5, fault=(37, 70, 0.5))
+        assert flag.item() > 1e-3, flag
+        print(a_t, b_t, "clean: no alarm; fault: normalized difference", flag.item())
+
+
+def _probe(case, s, flag, check: bool):
+    return lambda: launch(case.a, case.b, case.out, s, flag, case.a_t, case.b_t, check, case.cfg)
+
+
+def bench(out_path: Path):
+    from common import device_ms, gpu_environment, write_result
+    from gemm import Case
+    from gemm_diagnose import variants
+
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    shapes = [
+        ("gate_up", 8192, 2048, 5632),
+        ("q_o", 8192, 2048, 2048),
+        ("kv", 8192, 2048, 256),
+        ("8b.o", 8192, 4096, 4096),
+        ("lm_head", 8192, 2048, 32000),
+    ]
+    rows = []
+    for name, m, k, n in shapes:
+        for kind in ("fwd", "dgrad", "wgrad"):
+            case = Case(kind, m, k, n)
+            cfg = case.cfg
+            s = side_blocks(case.b, case.b_t, cfg.block_n, case.a.dtype)
+            flag = torch.zeros(1, device="cuda")
+            launch(case.a, case.b, case.out, s, flag, case.a_t, case.b_t, True, cfg, threshold=-1.0)
+            torch.cuda.synchronize()
+            clean_max = flag.item()  # every tile reports: the largest clean normalized difference
+            r = {"cublas": device_ms(case.cublas)}
+            ours = variants(case)
+            r["ours_unchecked"] = device_ms(ours["unchecked"])
+            r["ours_row"] = device_ms(ours["row_byproduct_inline"])
+            r["exp_plain"] = device_ms(_probe(case, s, flag, check=False))
+            r["exp_tile"] = device_ms(_probe(case, s, flag, check=True))
+            ratios = {f"{key}_ratio": r["cublas"] / v for key, v in r.items() if key != "cublas"}
+            rows.append(
+                {
+                    "layer": name,
+                    "gemm": kind,
+                    "shape": list(case.shape),
+                    "tile": [cfg.block_m, cfg.block_n],
+                    **{f"{key}_ms": v for key, v in r.items()},
+                    **ratios,
+                    "clean_max_difference": clean_max,
+                }
+            )
+            print(name, kind, {key: round(v, 3) for key, v in ratios.items()}, "clean max", clean_max, flush=True)
+    summary = {}
+    for key in ("ours_unchecked", "ours_row", "exp_plain", "exp_tile"):
+        values = [row[f"{key}_ratio"] for row in rows]
+        summary[f"median_ratio_{key}"] = statistics.median(values)
+        summary[f"min_ratio_{key}"] = min(values)
+    summary["clean_max_difference"] = max(row["clean_max_difference"] for row in rows)
+    write_result(out_path, gpu_environment(), rows, summary)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gemm_tile_check.json")
+    args = parser.parse_args()
+    selftest() if INTERPRET else bench(args.out)
