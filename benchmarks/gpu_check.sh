@@ -19,6 +19,9 @@
 #   tests-2       the GPU-marked tests of the kernels (GEMM, Linear, attention; about 4 minutes), then the
 #                 GEMM's small-shape tests on CUDA
 #   tile-check    the tile-local row check probe (results/gemm_tile_check.json)
+#   cutlass-probe CUTLASS's CuTe DSL Hopper GEMM beside ours (results/cutlass_probe.json). Needs, carried in
+#                 the ignored folder .dsl/: dsl.tar.xz (nvidia-cutlass-dsl[cu13] unpacked for the device's
+#                 Python, with its deps) and CUTLASS's dense_gemm_persistent.py example (CuTe DSL, Hopper)
 #   e2e-eager | e2e-compiled | e2e-own   the end-to-end step record (results/e2e_step.json); the
 #                 later ones resume the file the device holds, which is the tree's (a call's outputs
 #                 do not stay on the device): `e2e` runs eager and compiled in one call
@@ -97,6 +100,12 @@ case "${1:-tests-1}" in
     timeout 400 python benchmarks/gemm_tile_check.py --out benchmarks/results/gemm_tile_check.json 2>&1 \
       | tee "$out/gemm_tile_check.log" | tail -25
     cp benchmarks/results/gemm_tile_check.json "$out/" ;;
+  cutlass-probe)
+    mkdir -p /tmp/site && tar xf .dsl/dsl.tar.xz -C /tmp/site || exit 1
+    export PYTHONPATH="/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site:$PYTHONPATH"
+    timeout 560 python benchmarks/cutlass_probe.py --example .dsl/dense_gemm_persistent.py \
+      --out benchmarks/results/cutlass_probe.json 2>&1 | grep -v Warn | tee "$out/cutlass_probe.log" | tail -25
+    cp benchmarks/results/cutlass_probe.json "$out/" ;;
   e2e)
     e2e_eager 200 | tail -12
     e2e_compiled 370 | tail -16
@@ -111,5 +120,5 @@ case "${1:-tests-1}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|evidence|diagnose|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|evidence|diagnose|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|cutlass-probe|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

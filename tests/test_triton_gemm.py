@@ -207,8 +207,9 @@ def test_inline_and_separate_evidence_agree(kind, mkn, totals):
     # tiles add atomically in arrival order (`totals`), the maxima agree to fp64 rounding of that
     # order: a row's difference |Σ − ref| (here ≥ 2.0, the fault) moves by ~1e-16 of Σ — far below
     # 1e-6 of it; from the tiles' stored parts (`parts`) the finish sums them in the second launch's
-    # order, so the slot's maxima and verdict are the same bit for bit. Many tiles: 180 tiles of 32×32 on the interpreter's
-    # 4 programs, 45 each, so a program counts its tiles in several vectors and completes several blocks.
+    # order, so the slot's maxima and verdict are the same bit for bit. Many tiles: 180 tiles of
+    # 32×32 on the interpreter's 4 programs, 45 each, so a program counts its tiles in several
+    # vectors and completes several blocks.
     a, b, flags, logical = orientation(kind, *mkn, torch.float16, seed=3)
     fault = (tg.FAULT_PERTURB, 17, 50, 2.0, 0)
     inline_cfg = dataclasses.replace(tg.default_config(), inline_evidence=True, inline_totals=totals)
