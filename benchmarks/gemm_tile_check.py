@@ -2,8 +2,10 @@
 
 Tile (i, j) compares its accumulator's row sums with A_i·c_j, c_j = B[:, block j]·1, taken as a
 second narrow MMA on the A tile the K loop already holds (S_j [K, 16] per column block: c_j split
-hi/lo/lo2), so no cross-tile totals, no side loop after the K loop, no finishing: each tile's
-largest normalized row difference goes to one atomic maximum. Against cuBLAS, our kernel unchecked
+hi/lo/lo2) — or on the CUDA cores, the A tile times c_j's chunk (fp32) reduced every K step, or
+accumulated as products [BM, BK] and reduced once after the loop — so no cross-tile totals, no side
+loop after the K loop, no finishing: each tile's largest normalized row difference goes to one
+atomic maximum. Against cuBLAS, our kernel unchecked
 and its row check (the training step's variant), in the same run.
 
     python benchmarks/gemm_tile_check.py [--out benchmarks/results/gemm_tile_check.json]
@@ -23,10 +25,14 @@ from aegis_sdc.kernels import triton_gemm as tg
 from aegis_sdc.kernels.gemm_side import SideMatrix
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# CHECK: where the tile's reference A_i·c_j is formed (0: no check)
+TENSOR_CORES, CUDA_CORES_PER_STEP, CUDA_CORES_PRODUCTS = 1, 2, 3
+VARIANTS = {"exp_plain": 0, "exp_tile": TENSOR_CORES, "exp_tile_cuda_step": CUDA_CORES_PER_STEP,
+            "exp_tile_cuda_products": CUDA_CORES_PRODUCTS}  # fmt: skip
 
 
 @triton.jit
-def tile_check_kernel(a_ptr, b_ptr, c_ptr, s_ptr, scale_ptr, flag_ptr, M, N, K, stride_a, stride_b, stride_c,
+def tile_check_kernel(a_ptr, b_ptr, c_ptr, s_ptr, scale_ptr, cj_ptr, flag_ptr, M, N, K, stride_a, stride_b, stride_c,
                       threshold, fault_row, fault_col, fault_delta, A_T: tl.constexpr, B_T: tl.constexpr,
                       CHECK: tl.constexpr, FAULT: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
@@ -48,13 +54,22 @@ def tile_check_kernel(a_ptr, b_ptr, c_ptr, s_ptr, scale_ptr, flag_ptr, M, N, K, 
         off_m = pid_m * BM
         off_n = pid_n * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        side = tl.zeros((BM, 16), dtype=tl.float32)
+        side = tl.zeros((BM, 16), dtype=tl.float32)  # CHECK 1: A·S_j on the tensor cores
+        side_vec = tl.zeros((BM,), dtype=tl.float32)  # CHECK 2: A·c_j on the CUDA cores, reduced per step
+        products = tl.zeros((BM, BK), dtype=tl.float32)  # CHECK 3: the products, reduced after the loop
         for ki in range(k_tiles):
             a = tg._load_a(a_desc, off_m, ki * BK, A_T, UPCAST)
             acc = tl.dot(a, tg._load_b(b_desc, off_n, ki * BK, B_T, UPCAST), acc)
-            if CHECK:
+            if CHECK == 1:
                 s = s_desc.load([pid_n * K + ki * BK, 0])
                 side = tl.dot(a, s.to(tl.float32) if UPCAST else s, side)
+            elif CHECK >= 2:
+                ks = ki * BK + tl.arange(0, BK)
+                chunk = tl.load(cj_ptr + pid_n * K + ks, mask=ks < K, other=0.0)
+                if CHECK == 2:
+                    side_vec += tl.sum(a.to(tl.float32) * chunk[None, :], axis=1)
+                else:
+                    products += a.to(tl.float32) * chunk[None, :]
         if FAULT:  # one accumulator element goes wrong
             rows = off_m + tl.arange(0, BM)
             cols = off_n + tl.arange(0, BN)
@@ -62,9 +77,14 @@ def tile_check_kernel(a_ptr, b_ptr, c_ptr, s_ptr, scale_ptr, flag_ptr, M, N, K, 
             acc = tl.where(hit, acc + fault_delta, acc)
         out = acc.to(c_ptr.dtype.element_ty)
         if CHECK:
-            col = tl.arange(0, 16)[None, :]
-            scale_j = tl.load(scale_ptr + pid_n).to(tl.float64)  # 2ᵉ of S_j (1 for bf16)
-            ref = tl.sum(tl.where(col < 3, side, 0.0).to(tl.float64), axis=1) / scale_j
+            if CHECK == 1:
+                col = tl.arange(0, 16)[None, :]
+                scale_j = tl.load(scale_ptr + pid_n).to(tl.float64)  # 2ᵉ of S_j (1 for bf16)
+                ref = tl.sum(tl.where(col < 3, side, 0.0).to(tl.float64), axis=1) / scale_j
+            elif CHECK == 2:
+                ref = side_vec.to(tl.float64)
+            else:
+                ref = tl.sum(products, axis=1).to(tl.float64)
             total = tl.sum(acc, axis=1)
             sq = tl.sum(acc * acc, axis=1)
             out_total = tl.sum(out.to(tl.float32), axis=1)
@@ -86,15 +106,15 @@ def side_blocks(b, b_t, bn, dtype):
     bb = torch.nn.functional.pad(bk.double(), (0, pad))
     cj = bb.view(k, tiles_n, bn).sum(2).t().contiguous()  # [tiles_n, K]
     sides = [SideMatrix.of(cj[j], dtype) for j in range(tiles_n)]
-    return torch.cat([x.matrix for x in sides]), torch.cat([x.scale for x in sides])
+    return torch.cat([x.matrix for x in sides]), torch.cat([x.scale for x in sides]), cj.float().contiguous()
 
 
-def launch(a, b, out, s, flag, a_t, b_t, check, cfg, threshold=1e30, fault=None):
+def launch(a, b, out, s, flag, a_t, b_t, check: int, cfg, threshold=1e30, fault=None):
     M, N = out.shape
     K = a.shape[0] if a_t else a.shape[1]
     tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
     grid = (min(tg.num_sms(a.device), tiles),)
-    tile_check_kernel[grid](a, b, out, s[0], s[1], flag, M, N, K, a.stride(0), b.stride(0), out.stride(0), threshold,
+    tile_check_kernel[grid](a, b, out, *s, flag, M, N, K, a.stride(0), b.stride(0), out.stride(0), threshold,
                             *(fault or (0, 0, 0.0)), A_T=a_t, B_T=b_t, CHECK=check, FAULT=fault is not None,
                             UPCAST=INTERPRET, BM=cfg.block_m, BN=cfg.block_n,
                             BK=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
@@ -113,16 +133,18 @@ def selftest():
         b = B.t().contiguous() if b_t else B
         out = torch.empty(M, N, dtype=torch.float16)
         s = side_blocks(b, b_t, cfg.block_n, torch.float16)
-        flag = torch.zeros(1)
-        launch(a, b, out, s, flag, a_t, b_t, True, cfg, threshold=1e-5)
-        ref = A.float() @ B.float()
-        assert (out.float() - ref).abs().max().item() < 0.05 and flag.item() == 0.0, flag  # fp16 output rounding
-        launch(a, b, out, s, flag, a_t, b_t, True, cfg, threshold=1e-5, fault=(37, 70, 0.5))
-        assert flag.item() > 1e-3, flag
-        print(a_t, b_t, "clean: no alarm; fault: normalized difference", flag.item())
+        for check in (TENSOR_CORES, CUDA_CORES_PER_STEP, CUDA_CORES_PRODUCTS):
+            flag = torch.zeros(1)
+            launch(a, b, out, s, flag, a_t, b_t, check, cfg, threshold=1e-5)
+            ref = A.float() @ B.float()
+            assert (out.float() - ref).abs().max().item() < 0.05, "fp16 output rounding"
+            assert flag.item() == 0.0, (check, flag)
+            launch(a, b, out, s, flag, a_t, b_t, check, cfg, threshold=1e-5, fault=(37, 70, 0.5))
+            assert flag.item() > 1e-3, (check, flag)
+            print(a_t, b_t, check, "clean: no alarm; fault: normalized difference", flag.item())
 
 
-def _probe(case, s, flag, check: bool):
+def _probe(case, s, flag, check: int):
     return lambda: launch(case.a, case.b, case.out, s, flag, case.a_t, case.b_t, check, case.cfg)
 
 
@@ -146,15 +168,18 @@ def bench(out_path: Path):
             cfg = case.cfg
             s = side_blocks(case.b, case.b_t, cfg.block_n, case.a.dtype)
             flag = torch.zeros(1, device="cuda")
-            launch(case.a, case.b, case.out, s, flag, case.a_t, case.b_t, True, cfg, threshold=-1.0)
-            torch.cuda.synchronize()
-            clean_max = flag.item()  # every tile reports: the largest clean normalized difference
+            clean_max = {}  # every tile reports: the largest clean normalized difference
+            for label, check in VARIANTS.items():
+                if check:
+                    flag.zero_()
+                    launch(case.a, case.b, case.out, s, flag, case.a_t, case.b_t, check, cfg, threshold=-1.0)
+                    clean_max[label] = flag.item()
             r = {"cublas": device_ms(case.cublas)}
             ours = variants(case)
             r["ours_unchecked"] = device_ms(ours["unchecked"])
             r["ours_row"] = device_ms(ours["row_byproduct_inline"])
-            r["exp_plain"] = device_ms(_probe(case, s, flag, check=False))
-            r["exp_tile"] = device_ms(_probe(case, s, flag, check=True))
+            for label, check in VARIANTS.items():
+                r[label] = device_ms(_probe(case, s, flag, check))
             ratios = {f"{key}_ratio": r["cublas"] / v for key, v in r.items() if key != "cublas"}
             rows.append(
                 {
@@ -164,16 +189,18 @@ def bench(out_path: Path):
                     "tile": [cfg.block_m, cfg.block_n],
                     **{f"{key}_ms": v for key, v in r.items()},
                     **ratios,
-                    "clean_max_difference": clean_max,
+                    **{f"{label}_clean_max_difference": v for label, v in clean_max.items()},
                 }
             )
-            print(name, kind, {key: round(v, 3) for key, v in ratios.items()}, "clean max", clean_max, flush=True)
+            print(name, kind, {key: round(v, 3) for key, v in ratios.items()}, clean_max, flush=True)
     summary = {}
-    for key in ("ours_unchecked", "ours_row", "exp_plain", "exp_tile"):
+    for key in ("ours_unchecked", "ours_row", *VARIANTS):
         values = [row[f"{key}_ratio"] for row in rows]
         summary[f"median_ratio_{key}"] = statistics.median(values)
         summary[f"min_ratio_{key}"] = min(values)
-    summary["clean_max_difference"] = max(row["clean_max_difference"] for row in rows)
+    for label, check in VARIANTS.items():
+        if check:
+            summary[f"{label}_clean_max_difference"] = max(row[f"{label}_clean_max_difference"] for row in rows)
     write_result(out_path, gpu_environment(), rows, summary)
 
 
