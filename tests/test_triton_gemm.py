@@ -198,9 +198,18 @@ def test_launches_are_deterministic_and_counters_reset():
     assert torch.equal(first[2], second[2])  # the evidence slot too
 
 
-@pytest.mark.parametrize("totals", [True, False], ids=["totals", "parts"])
-@pytest.mark.parametrize("kind", ["fwd", "wgrad"])
-@pytest.mark.parametrize("mkn", [(64, 48, 96), (288, 32, 640)], ids=["few-tiles", "many-tiles"])
+_FEW_TILES, _MANY_TILES = (64, 48, 96), (288, 32, 640)
+
+
+# every kind and way on few tiles; on many (10 s each on the interpreter), the atomic totals both kinds,
+# the stored parts the wgrad, whose launch finishes row and column blocks from them
+@pytest.mark.parametrize(
+    ("kind", "mkn", "totals"),
+    [(kind, _FEW_TILES, totals) for kind in ("fwd", "wgrad") for totals in (True, False)]
+    + [("fwd", _MANY_TILES, True), ("wgrad", _MANY_TILES, True), ("wgrad", _MANY_TILES, False)],
+    ids=["few-fwd-totals", "few-fwd-parts", "few-wgrad-totals", "few-wgrad-parts", "many-fwd-totals",
+         "many-wgrad-totals", "many-wgrad-parts"],
+)  # fmt: skip
 def test_inline_and_separate_evidence_agree(kind, mkn, totals):
     # The verdict, indices and capture are the same whether the programs that complete the blocks
     # judge them inside the launch or a second launch sums the tiles' parts. From fp64 totals the
