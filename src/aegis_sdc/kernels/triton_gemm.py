@@ -170,16 +170,16 @@ def _finish_completed(done, index, block, counter_ptr, totals_ptr, parts, stats_
     program completes about one block per launch): everyone's writes acquired, the block's counter
     put back to zero, and the block judged — from the fp64 totals the tiles added to (TOTALS:
     gemm_evidence.finish_row_block / finish_col_block), or from the tiles' stored partials and side
-    slices, summed in their fixed order (gemm_evidence.block_evidence, finish_byproduct). `parts`:
-    (row_part, rsq_part, rowref, rowones, row_parts, col_part, csq_part, colref, col_parts, tiles_m,
-    tiles_n)."""
+    slices, summed in their fixed order (gemm_evidence.finish_row_block_parts /
+    finish_col_block_parts). `parts`: (row_part, rsq_part, rowref, rowones, row_parts, col_part,
+    csq_part, colref, col_parts, tiles_m, tiles_n)."""
+    row_part, rsq_part, rowref, rowones, row_parts, col_part, csq_part, colref, col_parts, tiles_m, tiles_n = parts
     for _ in range(tl.sum(done.to(tl.int32), axis=0)):
         first = tl.min(tl.where(done, index, 2**30), axis=0)
         start = tl.sum(tl.where(index == first, block, 0), axis=0)
         done = done & (index != first)
         fence_gpu(INTERPRETED)
         tl.store(counter_ptr + start, 0)
-        row_part, rsq_part, rowref, rowones, row_parts, col_part, csq_part, colref, col_parts, tiles_m, tiles_n = parts
         if ROWS and TOTALS:
             finish_row_block(totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, start * BLOCK, M,
                              ROW_CHECK, BYPRODUCT, SIDE_OUT, DT, BLOCK)  # fmt: skip
@@ -284,7 +284,7 @@ def checked_gemm_kernel(
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
     EVIDENCE: tl.constexpr,  # evidence and by-product finished inside this launch (gemm_evidence)
-    TOTALS: tl.constexpr,  # inside: tiles add to fp64 totals by atomics (else the finish sums their stored parts)
+    TOTALS: tl.constexpr,  # (EVIDENCE only) tiles add to fp64 totals by atomics, else the finish sums their parts
     BYPRODUCT: tl.constexpr,
     SIDE_OUT: tl.constexpr,
     CAPTURE: tl.constexpr,
@@ -347,16 +347,16 @@ def checked_gemm_kernel(
         # variants spilled 312–424 bytes per thread: benchmarks/kernel_registers.py).
         if ROW_CHECK and not COL_CHECK:
             _store_partials(acc, 1, row_part_ptr + pid_n * M, rsq_part_ptr + pid_n * M, offs_m, mask_m, row_diff,
-                            row_sq_total, EVIDENCE and TOTALS)  # fmt: skip
+                            row_sq_total, TOTALS)  # fmt: skip
         if ROW_CHECK:
             tl.store(out_part_ptr + pid_n * M + offs_m, tl.sum(out.to(tl.float32), axis=1), mask=mask_m)
         c_desc.store([off_m, off_n], out)
         if COL_CHECK:
             if ROW_CHECK:
                 _store_partials(acc, 1, row_part_ptr + pid_n * M, rsq_part_ptr + pid_n * M, offs_m, mask_m, row_diff,
-                                row_sq_total, EVIDENCE and TOTALS)  # fmt: skip
+                                row_sq_total, TOTALS)  # fmt: skip
             _store_partials(acc, 0, col_part_ptr + pid_m * N, csq_part_ptr + pid_m * N, offs_n, mask_n, col_diff,
-                            col_sq_total, EVIDENCE and TOTALS)  # fmt: skip
+                            col_sq_total, TOTALS)  # fmt: skip
         # The reference sides, after the tile's stores are issued: this tile's K slice of its row
         # block's A·S(c) (slice pid_n of tiles_n) and of its column block's Bᵀ·S(u1) (slice pid_m),
         # re-reading the slice's operand tiles (from L2: the tile has just read them). Every tile does
@@ -366,13 +366,12 @@ def checked_gemm_kernel(
         if ROW_SIDE:
             for part in range(tl.where(replay, 0, pid_n), tl.where(replay, row_parts, pid_n + 1)):
                 _side_part(a_desc, side_c_desc, c_scale_ptr, off_m, part, row_parts, k_tiles, rowref_ptr, rowones_ptr,
-                           row_diff, ones_total, M, True, A_T, True, EVIDENCE and TOTALS and ROW_CHECK,
-                           EVIDENCE and TOTALS and (BYPRODUCT or SIDE_OUT), UPCAST, BM, BK)  # fmt: skip
+                           row_diff, ones_total, M, True, A_T, True, TOTALS and ROW_CHECK,
+                           TOTALS and (BYPRODUCT or SIDE_OUT), UPCAST, BM, BK)  # fmt: skip
         if COL_CHECK:
             for part in range(tl.where(replay, 0, pid_m), tl.where(replay, col_parts, pid_m + 1)):
                 _side_part(b_desc, side_u_desc, u_scale_ptr, off_n, part, col_parts, k_tiles, colref_ptr, colref_ptr,
-                           col_diff, col_diff, N, False, B_T, False, EVIDENCE and TOTALS, False, UPCAST, BN,
-                           BK)  # fmt: skip
+                           col_diff, col_diff, N, False, B_T, False, TOTALS, False, UPCAST, BN, BK)  # fmt: skip
     if EVIDENCE:
         # A block is finished by the program whose count completes it (per-block counters after the
         # launch's counter: row blocks, then column blocks); then the program counts itself into the
