@@ -9,7 +9,13 @@ A·1 alone, inside and in a second launch; the wgrad's row+col check (both ways 
 time per launch (launches queued back to back, no synchronization), and the registers and spills of
 every compiled variant.
 
-    python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--out benchmarks/results/gemm_diagnose.json]
+`--evidence-parts`: the training step's checked launch with one part of its evidence switched off at
+a time (the kernel's module loaded again from patched source), beside the same launch whole, with
+a second launch, and with no evidence. `--warp-specialized`: the kernel's parts with Triton's warp
+specialization of the tile loop, and whether its output is bit-identical.
+
+    python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--evidence-parts | --warp-specialized]
+        [--out benchmarks/results/gemm_diagnose.json]
 """
 
 from __future__ import annotations
@@ -27,8 +33,13 @@ from aegis_sdc.kernels import triton_gemm as tg
 SHAPES = [("gate_up", 8192, 2048, 5632), ("q_o", 8192, 2048, 2048), ("kv", 8192, 2048, 256), ("8b.o", 8192, 4096, 4096)]
 
 
-def variants(case: Case) -> dict:
+def variants(case: Case, warp_specialized: bool = False, stages: int | None = None) -> dict:
+    """The variants by name; with `warp_specialized`, the same parts on the warp-specialized kernel
+    (Triton's Hopper partitioning: a producer warp group for the TMA loads, two consumer warp groups
+    that split the tile's rows; one warp group per consumer: num_warps = 4)."""
     a, b, out, cfg = case.a, case.b, case.out, case.cfg
+    if warp_specialized:
+        cfg = dataclasses.replace(cfg, num_warps=4, warp_specialize=True, num_stages=stages or cfg.num_stages)
     common = dict(a_t=case.a_t, b_t=case.b_t, cfg=cfg, scratch=True)
 
     def launch(**kw):
@@ -39,6 +50,15 @@ def variants(case: Case) -> dict:
     inline = dataclasses.replace(cfg, inline_evidence=True)
     parts = dataclasses.replace(cfg, inline_evidence=True, inline_totals=False)  # inside, from the stored parts
     separate = dataclasses.replace(cfg, inline_evidence=False)
+    parts_of_check = {
+        "unchecked": launch(),
+        "side_only": launch(c_side=case.c_side, row_side=True, evidence=False),
+        "partials_only": launch(row_check=True, evidence=False),
+        "side_and_partials": launch(c_side=case.c_side, row_side=True, row_check=True, evidence=False),
+    }
+    row_separate = lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": separate}, **checked)  # noqa: E731
+    if warp_specialized:  # what the warp-specialized kernel compiles (evidence in a second launch)
+        return {f"ws_{key}": fn for key, fn in parts_of_check.items()} | {"ws_row_separate": row_separate}
     # The by-product A·1 (and its S) a later wgrad reads: alone (no check: what finishing it costs),
     # and with the row check (the training step's checked forward and dgrad).
     rows = case.out.shape[0]
@@ -46,13 +66,9 @@ def variants(case: Case) -> dict:
                    byproduct_side=torch.empty(rows, 16, dtype=a.dtype, device=a.device))  # fmt: skip
     byproduct = dict(c_side=case.c_side, row_side=True, counters=case.counters, **outputs)
     training = dict(checked, **outputs)
-    return {
-        "unchecked": launch(),
-        "side_only": launch(c_side=case.c_side, row_side=True, evidence=False),
-        "partials_only": launch(row_check=True, evidence=False),
-        "side_and_partials": launch(c_side=case.c_side, row_side=True, row_check=True, evidence=False),
+    return parts_of_check | {
         "row_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **checked),
-        "row_separate": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": separate}, **checked),
+        "row_separate": row_separate,
         "row_byproduct_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **training),
         "row_byproduct_parts": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": parts}, **training),
         "byproduct_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **byproduct),
@@ -60,6 +76,73 @@ def variants(case: Case) -> dict:
         "rowcol": case.ours("rowcol"),
         "rowcol_parts": case.ours("rowcol", parts),
     }
+
+
+# Where the evidence inside the launch costs: the kernel's module loaded again from its source with
+# one part switched off — the tiles' fp64 additions to the totals (the finish then reads zeros), or
+# the finish after the tile loop (the additions land, nobody judges), or the finish compiled in but
+# never run. Diagnostic only.
+_SIDE_ADDS = "M, True, A_T, True, TOTALS and ROW_CHECK,\n" + " " * 27 + "TOTALS and (BYPRODUCT or SIDE_OUT)"
+_FINISH = "    if EVIDENCE:\n        # A block is finished"
+_EVIDENCE_PARTS_OFF = {
+    "no_additions": [
+        ("row_sq_total, TOTALS)", "row_sq_total, False)", 2),
+        ("col_sq_total, TOTALS)", "col_sq_total, False)", 1),
+        (_SIDE_ADDS, "M, True, A_T, True, False,\n" + " " * 27 + "False", 1),
+    ],
+    "no_finish": [(_FINISH, "    if False:\n        # A block", 1)],
+    # compiled in, never run (M is a runtime argument): the cost of its presence alone
+    "finish_never_run": [(_FINISH, "    if EVIDENCE and M < 0:\n        # A", 1)],
+    # the finish's three steps one at a time: the program's first fence, its blocks, the launch's verdict
+    "no_first_fence": [("        fence_gpu(UPCAST)  # UPCAST is set", "        # UPCAST is set", 1)],
+    "no_block_finish": [("    for c0 in range(0, mine, CHUNK):", "    for c0 in range(0, 0, CHUNK):", 1)],
+    # the tiles counted into their blocks, no block finished (a ticket is never negative)
+    "tickets_only": [("(valid & (ticket == tiles_n - 1), index, pid_m", "(valid & (ticket < 0), index, pid_m", 1)],
+    # the counters packed side by side, as before they took a line each
+    "counters_packed": [("COUNTER_STRIDE = tl.constexpr(32)", "COUNTER_STRIDE = tl.constexpr(1)", 1)],
+    "no_verdict": [
+        ("        if ROW_CHECK or COL_CHECK:\n            fence", "        if False:\n            fence", 1)
+    ],
+}
+
+
+def _kernel_module_without(part: str):
+    """triton_gemm loaded again from its source with `part` of the inline evidence switched off."""
+    import importlib.util
+    import sys
+    import tempfile
+
+    source = Path(tg.__file__).read_text()
+    for anchor, replacement, count in _EVIDENCE_PARTS_OFF[part]:
+        if source.count(anchor) != count:
+            raise SystemExit(f"triton_gemm changed: {anchor[:50]!r} found {source.count(anchor)} times, not {count}")
+        source = source.replace(anchor, replacement)
+    path = Path(tempfile.mkdtemp(prefix="gemm_diagnose_")) / f"triton_gemm_{part}.py"
+    path.write_text(source)  # from a file: Triton reads a kernel's source back
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def evidence_part_variants(case: Case) -> dict:
+    """The training step's checked launch (row check, by-product, evidence inside) with the tiles'
+    additions off, the finish off, or the finish never run."""
+    inline = dataclasses.replace(case.cfg, inline_evidence=True)
+    rows = case.out.shape[0]
+    kw = dict(a_t=case.a_t, b_t=case.b_t, scratch=True, c_side=case.c_side, row_check=True, row_side=True,
+              stats=case.stats, counters=case.counters, pool=case.pools[tg.CAPTURE_ROWS], capture=tg.CAPTURE_ROWS,
+              row_threshold=1e30, byproduct=torch.empty(rows, dtype=torch.float64, device=case.a.device),
+              byproduct_side=torch.empty(rows, 16, dtype=case.a.dtype, device=case.a.device))  # fmt: skip
+    out = {}
+    for part in _EVIDENCE_PARTS_OFF:
+        module = _kernel_module_without(part)
+        cfg = module.TritonGemmConfig(**dataclasses.asdict(inline))
+        out[f"row_byproduct_inline_{part}"] = lambda m=module, cfg=cfg: m.launch_checked_gemm(
+            case.a, case.b, case.out, cfg=cfg, **kw
+        )
+    return out
 
 
 def _variant_of(compiled) -> str:
@@ -111,6 +194,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gemm_diagnose.json")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the host side of launches, then stop")
     parser.add_argument("--layers", default=",".join(name for name, *_ in SHAPES), help="which of SHAPES to run")
+    parser.add_argument(
+        "--evidence-parts",
+        action="store_true",
+        help="the inline evidence with its additions or its finish switched off, beside a few others",
+    )
+    parser.add_argument("--warp-specialized", action="store_true",
+                        help="the warp-specialized variants beside some others; output bit-identical?")  # fmt: skip
     args = parser.parse_args()
     if args.profile_host:
         profile_host()
@@ -122,10 +212,30 @@ def main() -> None:
             row = {"layer": name, "M": m, "K": k, "N": n, "gemm": kind}
             row["cublas_ms"] = device_ms(case.cublas)
             row["cublas_host_us"] = host_us(case.cublas)
-            for label, fn in variants(case).items():
+            chosen = variants(case)
+            if args.warp_specialized and case.cfg.block_m == 128:  # (Triton 3.6 aborts on BM = 64 tiles)
+                chosen = {key: chosen[key] for key in ("unchecked", "side_and_partials", "row_separate",
+                                                       "row_byproduct_inline")}  # fmt: skip
+                chosen["unchecked"]()
+                expected = case.out.clone()
+                try:
+                    chosen |= variants(case, warp_specialized=True)
+                    # two stages: what fits the side's own load buffers beside the K loop's in shared memory
+                    chosen |= {key.replace("ws_", "ws2_"): fn
+                               for key, fn in variants(case, warp_specialized=True, stages=2).items()}  # fmt: skip
+                    chosen["ws_unchecked"]()
+                    row["ws_output_bit_identical"] = bool(torch.equal(case.out.view(torch.int16),
+                                                                      expected.view(torch.int16)))  # fmt: skip
+                except RuntimeError as error:
+                    row["ws_error"] = str(error).splitlines()[0][:200]
+            if args.evidence_parts:
+                chosen = {key: chosen[key] for key in ("unchecked", "side_and_partials", "row_separate",
+                                                       "row_byproduct_inline")}  # fmt: skip
+                chosen |= evidence_part_variants(case)
+            for label, fn in chosen.items():
                 try:
                     row[f"{label}_ms"] = device_ms(fn)
-                except RuntimeError as error:  # a variant this Triton cannot compile: recorded, not fatal
+                except Exception as error:  # a variant this Triton cannot compile or fit: recorded, not fatal
                     row[f"{label}_error"] = str(error).splitlines()[0][:200]
                     print(name, kind, label, "failed:", row[f"{label}_error"], flush=True)
                     continue

@@ -26,9 +26,12 @@ from aegis_sdc.kernels.gemm_side import SideMatrix
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # CHECK: where the tile's reference A_i·c_j is formed (0: no check)
-TENSOR_CORES, CUDA_CORES_PER_STEP, CUDA_CORES_PRODUCTS = 1, 2, 3
+# SELF_ROW / SELF_ROWCOL: c_j's chunk is the row sums of the B tile the step has loaded (no vector made
+# beforehand, any GEMM kind), and for the column check u_i's chunk the column sums of the A tile.
+TENSOR_CORES, CUDA_CORES_PER_STEP, CUDA_CORES_PRODUCTS, SELF_ROW, SELF_ROWCOL = 1, 2, 3, 4, 5
 VARIANTS = {"exp_plain": 0, "exp_tile": TENSOR_CORES, "exp_tile_cuda_step": CUDA_CORES_PER_STEP,
-            "exp_tile_cuda_products": CUDA_CORES_PRODUCTS}  # fmt: skip
+            "exp_tile_cuda_products": CUDA_CORES_PRODUCTS, "exp_self_row": SELF_ROW,
+            "exp_self_rowcol": SELF_ROWCOL}  # fmt: skip
 
 
 @triton.jit
@@ -57,10 +60,18 @@ def tile_check_kernel(a_ptr, b_ptr, c_ptr, s_ptr, scale_ptr, cj_ptr, flag_ptr, M
         side = tl.zeros((BM, 16), dtype=tl.float32)  # CHECK 1: A·S_j on the tensor cores
         side_vec = tl.zeros((BM,), dtype=tl.float32)  # CHECK 2: A·c_j on the CUDA cores, reduced per step
         products = tl.zeros((BM, BK), dtype=tl.float32)  # CHECK 3: the products, reduced after the loop
+        col_vec = tl.zeros((BN,), dtype=tl.float32)  # CHECK 5: u_i·B_j on the CUDA cores
         for ki in range(k_tiles):
             a = tg._load_a(a_desc, off_m, ki * BK, A_T, UPCAST)
-            acc = tl.dot(a, tg._load_b(b_desc, off_n, ki * BK, B_T, UPCAST), acc)
-            if CHECK == 1:
+            b = tg._load_b(b_desc, off_n, ki * BK, B_T, UPCAST)
+            acc = tl.dot(a, b, acc)
+            if CHECK >= 4:
+                a32 = a.to(tl.float32)
+                b32 = b.to(tl.float32)
+                side_vec += tl.sum(a32 * tl.sum(b32, axis=1)[None, :], axis=1)
+                if CHECK == 5:
+                    col_vec += tl.sum(tl.sum(a32, axis=0)[:, None] * b32, axis=0)
+            elif CHECK == 1:
                 s = s_desc.load([pid_n * K + ki * BK, 0])
                 side = tl.dot(a, s.to(tl.float32) if UPCAST else s, side)
             elif CHECK >= 2:
@@ -81,7 +92,7 @@ def tile_check_kernel(a_ptr, b_ptr, c_ptr, s_ptr, scale_ptr, cj_ptr, flag_ptr, M
                 col = tl.arange(0, 16)[None, :]
                 scale_j = tl.load(scale_ptr + pid_n).to(tl.float64)  # 2ᵉ of S_j (1 for bf16)
                 ref = tl.sum(tl.where(col < 3, side, 0.0).to(tl.float64), axis=1) / scale_j
-            elif CHECK == 2:
+            elif CHECK == 2 or CHECK >= 4:
                 ref = side_vec.to(tl.float64)
             else:
                 ref = tl.sum(products, axis=1).to(tl.float64)
@@ -92,6 +103,11 @@ def tile_check_kernel(a_ptr, b_ptr, c_ptr, s_ptr, scale_ptr, cj_ptr, flag_ptr, M
             # the output's row sums are formed (as the kernel's check does) but judged elsewhere
             d = tl.abs(total.to(tl.float64) - ref) / scale + 0.0 * out_total.to(tl.float64)
             worst = tl.max(d, axis=0)
+            if CHECK == 5:
+                col_total = tl.sum(acc, axis=0)
+                col_scale = tl.sqrt(tl.sum(acc * acc, axis=0).to(tl.float64)) + 1e-30
+                d_col = tl.abs(col_total.to(tl.float64) - col_vec.to(tl.float64)) / col_scale
+                worst = tl.maximum(worst, tl.max(d_col, axis=0))
             # one flag per launch, touched only by a tile that alarms (rare)
             tl.atomic_max(flag_ptr, worst.to(tl.float32), mask=worst > threshold, sem="relaxed")
         c_desc.store([off_m, off_n], out)
@@ -114,7 +130,7 @@ def launch(a, b, out, s, flag, a_t, b_t, check: int, cfg, threshold=1e30, fault=
     K = a.shape[0] if a_t else a.shape[1]
     tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
     grid = (min(tg.num_sms(a.device), tiles),)
-    tile_check_kernel[grid](a, b, out, *s, flag, M, N, K, a.stride(0), b.stride(0), out.stride(0), threshold,
+    return tile_check_kernel[grid](a, b, out, *s, flag, M, N, K, a.stride(0), b.stride(0), out.stride(0), threshold,
                             *(fault or (0, 0, 0.0)), A_T=a_t, B_T=b_t, CHECK=check, FAULT=fault is not None,
                             UPCAST=INTERPRET, BM=cfg.block_m, BN=cfg.block_n,
                             BK=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
@@ -133,7 +149,7 @@ def selftest():
         b = B.t().contiguous() if b_t else B
         out = torch.empty(M, N, dtype=torch.float16)
         s = side_blocks(b, b_t, cfg.block_n, torch.float16)
-        for check in (TENSOR_CORES, CUDA_CORES_PER_STEP, CUDA_CORES_PRODUCTS):
+        for check in (TENSOR_CORES, CUDA_CORES_PER_STEP, CUDA_CORES_PRODUCTS, SELF_ROW, SELF_ROWCOL):
             flag = torch.zeros(1)
             launch(a, b, out, s, flag, a_t, b_t, check, cfg, threshold=1e-5)
             ref = A.float() @ B.float()
@@ -169,10 +185,12 @@ def bench(out_path: Path):
             s = side_blocks(case.b, case.b_t, cfg.block_n, case.a.dtype)
             flag = torch.zeros(1, device="cuda")
             clean_max = {}  # every tile reports: the largest clean normalized difference
+            registers = {}  # registers and spills of each compiled probe
             for label, check in VARIANTS.items():
+                flag.zero_()
+                compiled = launch(case.a, case.b, case.out, s, flag, case.a_t, case.b_t, check, cfg, threshold=-1.0)
+                registers[label] = [getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)]
                 if check:
-                    flag.zero_()
-                    launch(case.a, case.b, case.out, s, flag, case.a_t, case.b_t, check, cfg, threshold=-1.0)
                     clean_max[label] = flag.item()
             r = {"cublas": device_ms(case.cublas)}
             ours = variants(case)
@@ -190,9 +208,10 @@ def bench(out_path: Path):
                     **{f"{key}_ms": v for key, v in r.items()},
                     **ratios,
                     **{f"{label}_clean_max_difference": v for label, v in clean_max.items()},
+                    "registers_spills": registers,
                 }
             )
-            print(name, kind, {key: round(v, 3) for key, v in ratios.items()}, clean_max, flush=True)
+            print(name, kind, {key: round(v, 3) for key, v in ratios.items()}, clean_max, registers, flush=True)
     summary = {}
     for key in ("ours_unchecked", "ours_row", *VARIANTS):
         values = [row[f"{key}_ratio"] for row in rows]

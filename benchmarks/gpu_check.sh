@@ -6,6 +6,9 @@
 #   evidence      the evidence inside the launch against a second launch in a protected HF step
 #                 (results/evidence_shadow.json), and the clean alarms of full checking (results/alarms/)
 #   diagnose      where a checked GEMM's time goes (results/gemm_diagnose.json) and a host profile of launches
+#   evidence-parts  the evidence inside the launch with one part switched off at a time, the counters'
+#                 layouts among them (results/gemm_diagnose_evidence_parts.json), then the checked GEMM's
+#                 GPU tests (about 3 minutes) and the inline-against-second-launch shadow of a real step
 #   tune          choose the configuration per shape class (benchmarks/gemm_tune.py → results/gemm_tune.json)
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
 #   sensitivity   detection at r = 1 and false alarms at three shape classes (results/sensitivity.json)
@@ -57,6 +60,16 @@ case "${1:-tests-1}" in
   diagnose)
     timeout 200 python benchmarks/gemm_diagnose.py --out "$out/gemm_diagnose.json" 2>&1 | tee "$out/gemm_diagnose.log" | tail -12
     timeout 60 python benchmarks/gemm_diagnose.py --profile-host > "$out/gemm_host_profile.txt" 2>&1 ;;
+  evidence-parts)
+    timeout 150 python benchmarks/gemm_diagnose.py --evidence-parts --layers gate_up,q_o,8b.o \
+      --out benchmarks/results/gemm_diagnose_evidence_parts.json 2>&1 | grep -v "Warn\|^kernel regs" \
+      | tee "$out/gemm_diagnose_evidence_parts.log" | tail -8
+    cp benchmarks/results/gemm_diagnose_evidence_parts.json "$out/"
+    timeout 200 python -m pytest -q -m gpu tests/test_triton_gemm.py -p no:cacheprovider 2>&1 \
+      | tee "$out/gemm_gpu_tests.log" | tail -5
+    timeout 200 python benchmarks/evidence_shadow.py --out benchmarks/results/evidence_shadow.json 2>&1 | grep -v Warn \
+      | tee "$out/evidence_shadow.log" | tail -6
+    cp benchmarks/results/evidence_shadow.json "$out/" ;;
   tune)
     timeout 570 python benchmarks/gemm_tune.py --out "$out/gemm_tune.json" 2>&1 | tee "$out/gemm_tune.log" ;;
   gemm-1)

@@ -77,6 +77,12 @@ from aegis_sdc.kernels.gemm_side import (
 from aegis_sdc.kernels.grid import ceil_div
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# int32 slots from one evidence counter to the next: one 128-byte L2 line each. Every tile counts
+# itself into its row (and column) block; packed into two lines, a launch's ~1 400 counts queued at
+# those lines one after another and made the evidence inside the launch cost 5–10% of the GEMM
+# (benchmarks/gemm_diagnose.py --evidence-parts: the cost was all in the counting and finishing, and
+# grew with the number of tiles, not with the finish's own work).
+COUNTER_STRIDE = tl.constexpr(32)
 # Fault models (constexpr): 0 none, 1 perturb (add delta), 2 bitflip (xor bits)
 FAULT_NONE, FAULT_PERTURB, FAULT_BITFLIP = 0, 1, 2
 
@@ -179,7 +185,7 @@ def _finish_completed(done, index, block, counter_ptr, totals_ptr, parts, stats_
         start = tl.sum(tl.where(index == first, block, 0), axis=0)
         done = done & (index != first)
         fence_gpu(INTERPRETED)
-        tl.store(counter_ptr + start, 0)
+        tl.store(counter_ptr + start * COUNTER_STRIDE, 0)
         if ROWS and TOTALS:
             finish_row_block(totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, start * BLOCK, M,
                              ROW_CHECK, BYPRODUCT, SIDE_OUT, DT, BLOCK)  # fmt: skip
@@ -215,12 +221,12 @@ def _finish_program_blocks(row_done, col_done, tiles_m, tiles_n, totals_ptr, par
         tiles = tl.where(valid, first_tile + index * step, first_tile)  # lanes past the last: a real tile
         pid_m, pid_n = _tile_coords(tiles, tiles_m, tiles_n, GROUP_M)
         if ROWS:
-            ticket = tl.atomic_add(row_done + pid_m, 1, mask=valid, sem="relaxed", scope="gpu")
+            ticket = tl.atomic_add(row_done + pid_m * COUNTER_STRIDE, 1, mask=valid, sem="relaxed", scope="gpu")
             _finish_completed(valid & (ticket == tiles_n - 1), index, pid_m, row_done, totals_ptr, parts, stats_ptr,
                               stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N, True, ROW_CHECK, BYPRODUCT, SIDE_OUT,
                               TOTALS, DT, BM, INTERPRETED)  # fmt: skip
         if COL_CHECK:
-            ticket = tl.atomic_add(col_done + pid_n, 1, mask=valid, sem="relaxed", scope="gpu")
+            ticket = tl.atomic_add(col_done + pid_n * COUNTER_STRIDE, 1, mask=valid, sem="relaxed", scope="gpu")
             _finish_completed(valid & (ticket == tiles_m - 1), index, pid_n, col_done, totals_ptr, parts, stats_ptr,
                               stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N, False, ROW_CHECK, BYPRODUCT, SIDE_OUT,
                               TOTALS, DT, BN, INTERPRETED)  # fmt: skip
@@ -252,7 +258,8 @@ def checked_gemm_kernel(
     colref_ptr,  # [col_parts, N] fp64 out: u1ᵀB per K slice (slice i from the tiles of row block i)
     byproduct_ptr,  # [M] fp64 out (BYPRODUCT, inline): A·1
     side_out_ptr,  # [M, 16] out (SIDE_OUT, inline): S(A·1), as a later wgrad's side reads it
-    counters_ptr,  # int32 [1 + tiles_m + tiles_n], zero: programs, row and column blocks done (inline), left zero
+    counters_ptr,  # int32 [(1 + tiles_m + tiles_n)·COUNTER_STRIDE], zero: programs, row and column blocks done
+    #                (inline), one line each; left zero
     totals_ptr,  # fp64 [3·M + 2·N], zero: the launch's sums (gemm_evidence.finish_row_block), left zero
     stats_ptr,  # int64 [STATS_LEN], zero
     stats_f64_ptr,  # the same slot as fp64
@@ -295,6 +302,7 @@ def checked_gemm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,  # TritonGemmConfig.warp_specialize
 ):
     # The TMA descriptors, built on the device once per program (in global scratch that `_launch`
     # provides): the host passes plain pointers, so a launch builds no descriptor object.
@@ -320,7 +328,7 @@ def checked_gemm_kernel(
     ones_total = totals_ptr + 2 * M
     col_diff = totals_ptr + 3 * M
     col_sq_total = col_diff + N
-    for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+    for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
@@ -385,8 +393,8 @@ def checked_gemm_kernel(
         tl.debug_barrier()
         parts = (row_part_ptr, rsq_part_ptr, rowref_ptr, rowones_ptr, row_parts, col_part_ptr, csq_part_ptr,
                  colref_ptr, col_parts, tiles_m, tiles_n)  # fmt: skip
-        _finish_program_blocks(counters_ptr + 1, counters_ptr + 1 + tiles_m, tiles_m, tiles_n, totals_ptr, parts,
-                               stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N,
+        _finish_program_blocks(counters_ptr + COUNTER_STRIDE, counters_ptr + (1 + tiles_m) * COUNTER_STRIDE, tiles_m,
+                               tiles_n, totals_ptr, parts, stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N,
                                ROW_CHECK or BYPRODUCT or SIDE_OUT, ROW_CHECK, COL_CHECK, BYPRODUCT, SIDE_OUT, TOTALS,
                                DT, BM, BN, GROUP_M, UPCAST)  # fmt: skip
         if ROW_CHECK or COL_CHECK:
@@ -427,6 +435,12 @@ class TritonGemmConfig:
     # program sums the block's stored per-tile partials and slices in their fixed order, as the
     # second launch does (False: no fp64 atomics in the tiles, more reads at the finish).
     inline_totals: bool = True
+    # Triton's warp specialization of the tile loop on Hopper (with num_warps = 4: a producer warp
+    # group for the TMA loads, two consumer warp groups splitting the tile's rows; the output is
+    # bit-identical). A diagnostic, not a default: it compiles only launches without evidence inside
+    # (the partitioning pass rejects the tiles' atomics and the finish after the loop) and without a
+    # column check, the side's buffers need 2 stages, and measured no faster (docs/gpu.md).
+    warp_specialize: bool = False
 
 
 # Hopper: 128×256×64 tiles, 8 warps, 3 stages run bf16 GEMMs at cuBLAS speed on the H200.
@@ -536,10 +550,11 @@ class CapturePool:
 
 
 def counters_needed(m: int, n: int, cfg: TritonGemmConfig) -> int:
-    """int32 counters the evidence of a launch uses: programs (or blocks) done, then, for evidence
-    inside the launch, the tiles done of each row block and of each column block. Zero before a
-    launch, left zero after it."""
-    return 1 + (ceil_div(m, cfg.block_m) + ceil_div(n, cfg.block_n) if cfg.inline_evidence else 0)
+    """int32 slots the evidence of a launch uses: programs (or blocks) done, then, for evidence
+    inside the launch, the tiles done of each row block and of each column block — each counter in a
+    line of its own (COUNTER_STRIDE slots). Zero before a launch, left zero after it."""
+    counters = 1 + (ceil_div(m, cfg.block_m) + ceil_div(n, cfg.block_n) if cfg.inline_evidence else 0)
+    return counters * COUNTER_STRIDE.value
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
@@ -817,6 +832,7 @@ class _Layout:
             BN=bn,
             BK=bk,
             GROUP_M=cfg.group_m,
+            WARP_SPECIALIZE=cfg.warp_specialize,
         )  # fmt: skip (the kernel's constexpr parameters, in their order)
         second = None
         separate = evidence and not inline
