@@ -79,17 +79,17 @@ def variants(case: Case, warp_specialized: bool = False, stages: int | None = No
 
 
 # Where the evidence inside the launch costs: the kernel's module loaded again from its source with
-# one part switched off — the tiles' fp64 additions to the totals (the finish then reads zeros), or
-# the finish after the tile loop (the additions land, nobody judges), or the finish compiled in but
-# never run. Diagnostic only.
+# one part changed at a time (anchor, replacement, how often the anchor occurs). Diagnostic only.
 _SIDE_ADDS = "M, True, A_T, True, TOTALS and ROW_CHECK,\n" + " " * 27 + "TOTALS and (BYPRODUCT or SIDE_OUT)"
 _FINISH = "    if EVIDENCE:\n        # A block is finished"
 _EVIDENCE_PARTS_OFF = {
+    # the tiles add nothing to the totals (the finish then reads zeros)
     "no_additions": [
         ("row_sq_total, TOTALS)", "row_sq_total, False)", 2),
         ("col_sq_total, TOTALS)", "col_sq_total, False)", 1),
         (_SIDE_ADDS, "M, True, A_T, True, False,\n" + " " * 27 + "False", 1),
     ],
+    # nothing after the tile loop (the additions land, nobody judges)
     "no_finish": [(_FINISH, "    if False:\n        # A block", 1)],
     # compiled in, never run (M is a runtime argument): the cost of its presence alone
     "finish_never_run": [(_FINISH, "    if EVIDENCE and M < 0:\n        # A", 1)],
@@ -127,8 +127,8 @@ def _kernel_module_without(part: str):
 
 
 def evidence_part_variants(case: Case) -> dict:
-    """The training step's checked launch (row check, by-product, evidence inside) with the tiles'
-    additions off, the finish off, or the finish never run."""
+    """The training step's checked launch (row check, by-product, evidence inside) with each change of
+    `_EVIDENCE_PARTS_OFF`."""
     inline = dataclasses.replace(case.cfg, inline_evidence=True)
     rows = case.out.shape[0]
     kw = dict(a_t=case.a_t, b_t=case.b_t, scratch=True, c_side=case.c_side, row_check=True, row_side=True,
@@ -197,10 +197,10 @@ def main() -> None:
     parser.add_argument(
         "--evidence-parts",
         action="store_true",
-        help="the inline evidence with its additions or its finish switched off, beside a few others",
+        help="the evidence inside the launch with one part changed at a time, beside a few others",
     )
     parser.add_argument("--warp-specialized", action="store_true",
-                        help="the warp-specialized variants beside some others; output bit-identical?")  # fmt: skip
+                        help="the warp-specialized variants, and whether their output is bit-identical")  # fmt: skip
     args = parser.parse_args()
     if args.profile_host:
         profile_host()

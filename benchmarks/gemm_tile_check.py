@@ -3,10 +3,12 @@
 Tile (i, j) compares its accumulator's row sums with A_i·c_j, c_j = B[:, block j]·1, taken as a
 second narrow MMA on the A tile the K loop already holds (S_j [K, 16] per column block: c_j split
 hi/lo/lo2) — or on the CUDA cores, the A tile times c_j's chunk (fp32) reduced every K step, or
-accumulated as products [BM, BK] and reduced once after the loop — so no cross-tile totals, no side
-loop after the K loop, no finishing: each tile's largest normalized row difference goes to one
-atomic maximum. Against cuBLAS, our kernel unchecked
-and its row check (the training step's variant), in the same run.
+accumulated as products [BM, BK] and reduced once after the loop, or with c_j's chunk taken from
+the B tile the step loaded (its row sums: no vector made beforehand; with a column check too, from
+the A tile's column sums) — so no cross-tile totals, no side loop after the K loop, no finishing:
+each tile's largest normalized difference goes to one atomic maximum. Against cuBLAS, our kernel
+unchecked and its row check (the training step's variant), in the same run; the registers and
+spills of each probe.
 
     python benchmarks/gemm_tile_check.py [--out benchmarks/results/gemm_tile_check.json]
     TRITON_INTERPRET=1 python benchmarks/gemm_tile_check.py   # self-test on the CPU: clean 0, fault seen

@@ -78,10 +78,12 @@ from aegis_sdc.kernels.grid import ceil_div
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # int32 slots from one evidence counter to the next: one 128-byte L2 line each. Every tile counts
-# itself into its row (and column) block; packed into two lines, a launch's ~1 400 counts queued at
-# those lines one after another and made the evidence inside the launch cost 5–10% of the GEMM
-# (benchmarks/gemm_diagnose.py --evidence-parts: the cost was all in the counting and finishing, and
-# grew with the number of tiles, not with the finish's own work).
+# itself into its row (and column) block. With the counters packed (two lines for 64 row blocks) the
+# evidence inside the launch cost 5–10% of the GEMM, all of it in counting tiles and finishing
+# blocks, and growing with the launch's number of tiles (25–50 ns each), not with the finish's own
+# work (benchmarks/gemm_diagnose.py --evidence-parts, docs/gpu.md): the counts queuing at two lines
+# one after another is the likely cause, which a line per counter removes (its `counters_packed`
+# variant times the old layout beside this one).
 COUNTER_STRIDE = tl.constexpr(32)
 # Fault models (constexpr): 0 none, 1 perturb (add delta), 2 bitflip (xor bits)
 FAULT_NONE, FAULT_PERTURB, FAULT_BITFLIP = 0, 1, 2
