@@ -13,8 +13,8 @@ from aegis_sdc.workloads.llama import LlamaConfig
 def test_200_clean_steps_confirm_nothing(tmp_path):
     # 9 000 checks over a loss falling by more than 2: a false confirmation rate of 1e-3 per check
     # would show ~9 times (the clean matrices and the GPU runs add hundreds of thousands more)
-    cfg = LlamaConfig()  # the demo's workload: 2 layers, 1024 tokens per step, 45 sites
-    model, data, optimizer = small_workload(cfg=cfg, batch=8, seq=128)
+    cfg = LlamaConfig()  # the demo's workload: 2 layers, 45 sites; 512 tokens per step (the demo: 1024)
+    model, data, optimizer = small_workload(cfg=cfg, batch=4, seq=128)
     guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
     losses = train(model, data, optimizer, 200)
     summary = guard.close()

@@ -20,10 +20,10 @@ from aegis_sdc.workloads.llama import Llama, lm_loss
 CHECKPOINTED = dataclasses.replace(MEDIUM, n_layers=2, activation_checkpointing=True)
 
 
-def protected(tmp_path, *, faults=(), probability=0.5, saved=1.0, cfg=CHECKPOINTED, **kwargs):
+def protected(tmp_path, *, faults=(), probability=0.5, saved=1.0, cfg=CHECKPOINTED, batch=8, **kwargs):
     # Sampling 0.5: recomputations must replay the forward's GEMM paths (checked / unchecked), or
     # clean recomputations would differ in the last bits (see the negative control below).
-    model, data, optimizer = small_workload(cfg=cfg, batch=8, seq=128)
+    model, data, optimizer = small_workload(cfg=cfg, batch=batch, seq=128)
     config = guard_config(
         tmp_path, faults=tuple(faults), sampling=aegis.SamplingConfig(probability=probability),
         fingerprints=aegis.FingerprintConfig(saved_probability=saved), **kwargs,
@@ -55,8 +55,9 @@ def test_flipped_bits_in_a_recomputed_activation_and_in_a_saved_tensor_are_confi
 def test_150_clean_checkpointed_steps_confirm_nothing(tmp_path):
     # A recomputation's fingerprint must equal its forward's bit for bit: a clean mismatch is
     # structural (a path that differs), not rare noise, so 150 steps (300 recomputations, ~1000
-    # fingerprint checks over a loss falling by more than 1) show it as well as more would.
-    model, data, optimizer, guard = protected(tmp_path)
+    # fingerprint checks over a loss falling by more than 1) show it as well as more would; a batch
+    # of 4 sequences keeps every path and check of 8 at half the time.
+    model, data, optimizer, guard = protected(tmp_path, batch=4)
     losses = train(model, data, optimizer, 150)
     summary = guard.close()
     assert losses[-1] < losses[0] - 1.0
