@@ -34,16 +34,20 @@ SHAPES = [("gate_up", 8192, 2048, 5632), ("q_o", 8192, 2048, 2048), ("kv", 8192,
 
 
 def variants(case: Case, warp_specialized: bool = False, stages: int | None = None) -> dict:
-    """The variants by name; with `warp_specialized`, the same parts on the warp-specialized kernel
-    (Triton's Hopper partitioning: a producer warp group for the TMA loads, two consumer warp groups
-    that split the tile's rows; one warp group per consumer: num_warps = 4)."""
+    """The variants by name; with `warp_specialized`, the same parts on the kernel with its tile loop
+    warp-specialized (`_KERNEL_CHANGES["warp_specialized"]`: Triton's Hopper partitioning, a producer
+    warp group for the TMA loads and two consumer warp groups that split the tile's rows; one warp
+    group per consumer: num_warps = 4)."""
     a, b, out, cfg = case.a, case.b, case.out, case.cfg
+    kernels = tg
     if warp_specialized:
-        cfg = dataclasses.replace(cfg, num_warps=4, warp_specialize=True, num_stages=stages or cfg.num_stages)
+        kernels = _kernel_module_changed("warp_specialized")
+        cfg = kernels.TritonGemmConfig(**{**dataclasses.asdict(cfg), "num_warps": 4,
+                                          "num_stages": stages or cfg.num_stages})  # fmt: skip
     common = dict(a_t=case.a_t, b_t=case.b_t, cfg=cfg, scratch=True)
 
     def launch(**kw):
-        return lambda: tg.launch_checked_gemm(a, b, out, **common, **kw)
+        return lambda: kernels.launch_checked_gemm(a, b, out, **{**common, **kw})
 
     checked = dict(c_side=case.c_side, row_check=True, row_side=True, stats=case.stats, counters=case.counters,
                    pool=case.pools[tg.CAPTURE_ROWS], capture=tg.CAPTURE_ROWS, row_threshold=1e30)  # fmt: skip
@@ -56,7 +60,7 @@ def variants(case: Case, warp_specialized: bool = False, stages: int | None = No
         "partials_only": launch(row_check=True, evidence=False),
         "side_and_partials": launch(c_side=case.c_side, row_side=True, row_check=True, evidence=False),
     }
-    row_separate = lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": separate}, **checked)  # noqa: E731
+    row_separate = launch(cfg=separate, **checked)
     if warp_specialized:  # what the warp-specialized kernel compiles (evidence in a second launch)
         return {f"ws_{key}": fn for key, fn in parts_of_check.items()} | {"ws_row_separate": row_separate}
     # The by-product A·1 (and its S) a later wgrad reads: alone (no check: what finishing it costs),
@@ -67,21 +71,25 @@ def variants(case: Case, warp_specialized: bool = False, stages: int | None = No
     byproduct = dict(c_side=case.c_side, row_side=True, counters=case.counters, **outputs)
     training = dict(checked, **outputs)
     return parts_of_check | {
-        "row_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **checked),
+        "row_inline": launch(cfg=inline, **checked),
         "row_separate": row_separate,
-        "row_byproduct_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **training),
-        "row_byproduct_parts": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": parts}, **training),
-        "byproduct_inline": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": inline}, **byproduct),
-        "byproduct_separate": lambda: tg.launch_checked_gemm(a, b, out, **{**common, "cfg": separate}, **byproduct),
+        "row_byproduct_inline": launch(cfg=inline, **training),
+        "row_byproduct_parts": launch(cfg=parts, **training),
+        "byproduct_inline": launch(cfg=inline, **byproduct),
+        "byproduct_separate": launch(cfg=separate, **byproduct),
         "rowcol": case.ours("rowcol"),
         "rowcol_parts": case.ours("rowcol", parts),
     }
 
 
-# Where the evidence inside the launch costs: the kernel's module loaded again from its source with
-# one part changed at a time (anchor, replacement, how often the anchor occurs). Diagnostic only.
+# The kernel's module loaded again from its source with one change (anchor, replacement, how often the
+# anchor occurs). Diagnostic only. First, Triton's warp specialization of the tile loop (it compiles
+# only launches without evidence inside and without a column check: docs/gpu.md); then, where the
+# evidence inside the launch costs, one part of it changed at a time (`--evidence-parts`).
 _SIDE_ADDS = "M, True, A_T, True, TOTALS and ROW_CHECK,\n" + " " * 27 + "TOTALS and (BYPRODUCT or SIDE_OUT)"
 _FINISH = "    if EVIDENCE:\n        # A block is finished"
+_TILE_LOOP = "    for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):"
+_WARP_SPECIALIZED = {"warp_specialized": [(_TILE_LOOP, _TILE_LOOP[:-2] + ", warp_specialize=True):", 1)]}
 _EVIDENCE_PARTS_OFF = {
     # the tiles add nothing to the totals (the finish then reads zeros)
     "no_additions": [
@@ -106,18 +114,21 @@ _EVIDENCE_PARTS_OFF = {
 }
 
 
-def _kernel_module_without(part: str):
-    """triton_gemm loaded again from its source with `part` of the inline evidence switched off."""
+_KERNEL_CHANGES = _WARP_SPECIALIZED | _EVIDENCE_PARTS_OFF
+
+
+def _kernel_module_changed(change: str):
+    """triton_gemm loaded again from its source with `_KERNEL_CHANGES[change]` made."""
     import importlib.util
     import sys
     import tempfile
 
     source = Path(tg.__file__).read_text()
-    for anchor, replacement, count in _EVIDENCE_PARTS_OFF[part]:
+    for anchor, replacement, count in _KERNEL_CHANGES[change]:
         if source.count(anchor) != count:
             raise SystemExit(f"triton_gemm changed: {anchor[:50]!r} found {source.count(anchor)} times, not {count}")
         source = source.replace(anchor, replacement)
-    path = Path(tempfile.mkdtemp(prefix="gemm_diagnose_")) / f"triton_gemm_{part}.py"
+    path = Path(tempfile.mkdtemp(prefix="gemm_diagnose_")) / f"triton_gemm_{change}.py"
     path.write_text(source)  # from a file: Triton reads a kernel's source back
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
@@ -137,7 +148,7 @@ def evidence_part_variants(case: Case) -> dict:
               byproduct_side=torch.empty(rows, 16, dtype=case.a.dtype, device=case.a.device))  # fmt: skip
     out = {}
     for part in _EVIDENCE_PARTS_OFF:
-        module = _kernel_module_without(part)
+        module = _kernel_module_changed(part)
         cfg = module.TritonGemmConfig(**dataclasses.asdict(inline))
         out[f"row_byproduct_inline_{part}"] = lambda m=module, cfg=cfg: m.launch_checked_gemm(
             case.a, case.b, case.out, cfg=cfg, **kw

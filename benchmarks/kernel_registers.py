@@ -75,7 +75,7 @@ def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
                       SIDE_OUT=byproduct,
                       CAPTURE=(tg.CAPTURE_TILE if col_check else tg.CAPTURE_ROWS) if row_check else tg.CAPTURE_NONE,
                       POOL=POOL_SLOTS, DT=tl.bfloat16, UPCAST=False, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                      GROUP_M=cfg.group_m, WARP_SPECIALIZE=cfg.warp_specialize)  # fmt: skip
+                      GROUP_M=cfg.group_m)  # fmt: skip
     names = tg.checked_gemm_kernel.arg_names
     source = triton.compiler.ASTSource(fn=tg.checked_gemm_kernel, signature=_signature(constexprs),
                                        constexprs={(names.index(k),): v for k, v in constexprs.items()})  # fmt: skip

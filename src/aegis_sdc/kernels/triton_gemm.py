@@ -304,7 +304,6 @@ def checked_gemm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,  # TritonGemmConfig.warp_specialize
 ):
     # The TMA descriptors, built on the device once per program (in global scratch that `_launch`
     # provides): the host passes plain pointers, so a launch builds no descriptor object.
@@ -330,7 +329,7 @@ def checked_gemm_kernel(
     ones_total = totals_ptr + 2 * M
     col_diff = totals_ptr + 3 * M
     col_sq_total = col_diff + N
-    for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), warp_specialize=WARP_SPECIALIZE):
+    for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
@@ -437,12 +436,6 @@ class TritonGemmConfig:
     # program sums the block's stored per-tile partials and slices in their fixed order, as the
     # second launch does (False: no fp64 atomics in the tiles, more reads at the finish).
     inline_totals: bool = True
-    # Triton's warp specialization of the tile loop on Hopper (with num_warps = 4: a producer warp
-    # group for the TMA loads, two consumer warp groups splitting the tile's rows; the output is
-    # bit-identical). A diagnostic, not a default: it compiles only launches without evidence inside
-    # (the partitioning pass rejects the tiles' atomics and the finish after the loop) and without a
-    # column check, the side's buffers need 2 stages, and measured no faster (docs/gpu.md).
-    warp_specialize: bool = False
 
 
 # Hopper: 128×256×64 tiles, 8 warps, 3 stages run bf16 GEMMs at cuBLAS speed on the H200.
@@ -834,7 +827,6 @@ class _Layout:
             BN=bn,
             BK=bk,
             GROUP_M=cfg.group_m,
-            WARP_SPECIALIZE=cfg.warp_specialize,
         )  # fmt: skip (the kernel's constexpr parameters, in their order)
         second = None
         separate = evidence and not inline
