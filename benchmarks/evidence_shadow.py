@@ -46,9 +46,10 @@ class Shadow:
         snapshot = stats.clone()
         second = torch.zeros_like(stats)
         byproduct = kw.get("byproduct")
+        separate = dataclasses.replace(cfg, inline_evidence=False)
+        counters = torch.zeros(tg.counters_needed(*out.shape, separate), dtype=torch.int32, device=a.device)
         shadow = dict(kw, stats=second, stats_f64=second.view(torch.float64), pool=None, capture=tg.CAPTURE_NONE,
-                      counters=torch.zeros(1, dtype=torch.int32, device=a.device), scratch=False, fault=None,
-                      cfg=dataclasses.replace(cfg, inline_evidence=False), byproduct_side=None,
+                      counters=counters, scratch=False, fault=None, cfg=separate, byproduct_side=None,
                       byproduct=None if byproduct is None else torch.empty_like(byproduct))  # fmt: skip
         self.original(a, b, torch.empty_like(out), **shadow)
         m, n = out.shape

@@ -14,7 +14,7 @@ a time (the kernel's module loaded again from patched source), beside the same l
 a second launch, and with no evidence. `--warp-specialized`: the kernel's parts with Triton's warp
 specialization of the tile loop, and whether its output is bit-identical.
 
-    python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--evidence-parts | --warp-specialized]
+    python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--evidence-parts [--parts a,b] | --warp-specialized]
         [--out benchmarks/results/gemm_diagnose.json]
 """
 
@@ -88,6 +88,7 @@ def variants(case: Case, warp_specialized: bool = False, stages: int | None = No
 # evidence inside the launch costs, one part of it changed at a time (`--evidence-parts`).
 _SIDE_ADDS = "M, True, A_T, True, TOTALS and ROW_CHECK,\n" + " " * 27 + "TOTALS and (BYPRODUCT or SIDE_OUT)"
 _FINISH = "    if EVIDENCE:\n        # A block is finished"
+_VERDICT = "        if ROW_CHECK or COL_CHECK:\n            if count_done"
 _TILE_LOOP = "    for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):"
 _WARP_SPECIALIZED = {"warp_specialized": [(_TILE_LOOP, _TILE_LOOP[:-2] + ", warp_specialize=True):", 1)]}
 _EVIDENCE_PARTS_OFF = {
@@ -108,8 +109,15 @@ _EVIDENCE_PARTS_OFF = {
     "tickets_only": [("(valid & (ticket == tiles_n - 1), index, pid_m", "(valid & (ticket < 0), index, pid_m", 1)],
     # the counters packed side by side, as before they took a line each
     "counters_packed": [("COUNTER_STRIDE = tl.constexpr(32)", "COUNTER_STRIDE = tl.constexpr(1)", 1)],
-    "no_verdict": [
-        ("        if ROW_CHECK or COL_CHECK:\n            fence", "        if False:\n            fence", 1)
+    # no launch verdict at all
+    "no_verdict": [(_VERDICT, "        if False:\n            if count_done", 1)],
+    # the launch's count after a fence of every thread and a barrier (the kernel before it did without)
+    "verdict_fenced": [
+        (
+            "            if count_done(counters_ptr",
+            "            fence_gpu(UPCAST)\n            tl.debug_barrier()\n            if count_done(counters_ptr",
+            1,
+        )
     ],
 }
 
@@ -137,9 +145,9 @@ def _kernel_module_changed(change: str):
     return module
 
 
-def evidence_part_variants(case: Case) -> dict:
-    """The training step's checked launch (row check, by-product, evidence inside) with each change of
-    `_EVIDENCE_PARTS_OFF`."""
+def evidence_part_variants(case: Case, parts: list[str]) -> dict:
+    """The training step's checked launch (row check, by-product, evidence inside) with each named
+    change of `_EVIDENCE_PARTS_OFF`."""
     inline = dataclasses.replace(case.cfg, inline_evidence=True)
     rows = case.out.shape[0]
     kw = dict(a_t=case.a_t, b_t=case.b_t, scratch=True, c_side=case.c_side, row_check=True, row_side=True,
@@ -147,7 +155,7 @@ def evidence_part_variants(case: Case) -> dict:
               row_threshold=1e30, byproduct=torch.empty(rows, dtype=torch.float64, device=case.a.device),
               byproduct_side=torch.empty(rows, 16, dtype=case.a.dtype, device=case.a.device))  # fmt: skip
     out = {}
-    for part in _EVIDENCE_PARTS_OFF:
+    for part in parts:
         module = _kernel_module_changed(part)
         cfg = module.TritonGemmConfig(**dataclasses.asdict(inline))
         out[f"row_byproduct_inline_{part}"] = lambda m=module, cfg=cfg: m.launch_checked_gemm(
@@ -210,6 +218,8 @@ def main() -> None:
         action="store_true",
         help="the evidence inside the launch with one part changed at a time, beside a few others",
     )
+    parser.add_argument("--parts", default=",".join(_EVIDENCE_PARTS_OFF),
+                        help="with --evidence-parts: which of its changes (default: all)")  # fmt: skip
     parser.add_argument("--warp-specialized", action="store_true",
                         help="the warp-specialized variants, and whether their output is bit-identical")  # fmt: skip
     args = parser.parse_args()
@@ -242,7 +252,10 @@ def main() -> None:
             if args.evidence_parts:
                 chosen = {key: chosen[key] for key in ("unchecked", "side_and_partials", "row_separate",
                                                        "row_byproduct_inline")}  # fmt: skip
-                chosen |= evidence_part_variants(case)
+                unknown = set(args.parts.split(",")) - set(_EVIDENCE_PARTS_OFF)
+                if unknown:
+                    raise SystemExit(f"unknown --parts {sorted(unknown)}; known: {list(_EVIDENCE_PARTS_OFF)}")
+                chosen |= evidence_part_variants(case, args.parts.split(","))
             for label, fn in chosen.items():
                 try:
                     row[f"{label}_ms"] = device_ms(fn)

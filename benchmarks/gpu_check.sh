@@ -61,7 +61,8 @@ case "${1:-tests-1}" in
     timeout 200 python benchmarks/gemm_diagnose.py --out "$out/gemm_diagnose.json" 2>&1 | tee "$out/gemm_diagnose.log" | tail -12
     timeout 60 python benchmarks/gemm_diagnose.py --profile-host > "$out/gemm_host_profile.txt" 2>&1 ;;
   evidence-parts)
-    timeout 150 python benchmarks/gemm_diagnose.py --evidence-parts --layers gate_up,q_o,8b.o \
+    timeout 200 python benchmarks/gemm_diagnose.py --evidence-parts --layers gate_up,q_o,8b.o \
+      --parts no_finish,no_verdict,verdict_fenced \
       --out benchmarks/results/gemm_diagnose_evidence_parts.json 2>&1 | grep -v "Warn\|^kernel regs" \
       | tee "$out/gemm_diagnose_evidence_parts.log" | tail -8
     cp benchmarks/results/gemm_diagnose_evidence_parts.json "$out/"

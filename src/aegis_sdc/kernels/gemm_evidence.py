@@ -82,7 +82,15 @@ def judge_block(total, sq, start, mask, stats_ptr, stats_f64_ptr, SLOT: tl.const
     """One block of rows (columns) from `start`: from their fp64 differences Σ − ref and sums of
     squares [R], the normalized differences |Σ − ref| / (u·√Σsq) folded into the launch's slot by atomics — the packed
     (value, index) maximum, the non-finite flag, Σ (Σ − ref)² (a statistic: order-free is fine). A
-    sum of squares that overflowed fp32 (|C| ≳ 10¹⁹) counts as non-finite."""
+    sum of squares that overflowed fp32 (|C| ≳ 10¹⁹) counts as non-finite.
+
+    The slot's atomics are scalar, so one thread of the program issues them (thread 0, as Triton
+    lowers a scalar atomic), the same thread whose count follows (`count_done`): its acq_rel orders
+    them before the count, the release the concluding program acquires, with no fence of the whole
+    program (with one, the inline verdict cost 4–10% of the GEMM: benchmarks/gemm_diagnose.py
+    --evidence-parts, `verdict_fenced`). They stay acq_rel, each waiting for its own completion: made
+    relaxed (fire-and-forget reductions) the same launch measured 8–9% slower, with or without the
+    verdict after them (results/gemm_diagnose_evidence_parts_relaxed_slot.json)."""
     raw = tl.where(mask, tl.abs(total), 0.0)
     tl.atomic_add(stats_f64_ptr + L2_SLOT, tl.sum(raw * raw, axis=0))
     diff = raw / tl.maximum(U32 * tl.sqrt(sq), TINY)
@@ -286,8 +294,10 @@ def finish_col_block(totals_ptr, stats_ptr, stats_f64_ptr, start, M, N, BLOCK: t
 def count_done(counter_ptr, expected):
     """Count one more contribution to a launch (or block) whose `expected` contributions complete it;
     whether this one completed it (then the counter is put back to zero for the next launch). The
-    caller has fenced its writes (`fence_gpu`) and joined its threads: the acq_rel count publishes them
-    to the completing program and, there, acquires everyone's."""
+    count is one thread's (thread 0, a scalar atomic): its acq_rel publishes that thread's earlier
+    writes and atomics — the slot's (`judge_block`) — and whatever the program fenced before a
+    barrier earlier (the tiles' partials, before the block counts), and in the completing program
+    acquires everyone's."""
     done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     last = done == expected - 1
     if last:
