@@ -9,9 +9,10 @@ A·1 alone, inside and in a second launch; the wgrad's row+col check (both ways 
 time per launch (launches queued back to back, no synchronization), and the registers and spills of
 every compiled variant.
 
-`--evidence-parts`: the training step's checked launch with one part of its evidence switched off at
-a time (the kernel's module loaded again from patched source), beside the same launch whole, with
-a second launch, and with no evidence. `--warp-specialized`: the kernel's parts with Triton's warp
+`--evidence-parts`: the training step's checked launch with one part of its evidence switched off or
+changed at a time (the kernel's module loaded again from patched source; `--parts` picks which of
+`_EVIDENCE_PARTS_OFF`, each with counters of its own), beside the same launch whole, with a second
+launch, and with no evidence. `--warp-specialized`: the kernel's parts with Triton's warp
 specialization of the tile loop, and whether its output is bit-identical.
 
     python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--evidence-parts [--parts a,b] | --warp-specialized]
@@ -88,7 +89,6 @@ def variants(case: Case, warp_specialized: bool = False, stages: int | None = No
 # evidence inside the launch costs, one part of it changed at a time (`--evidence-parts`).
 _SIDE_ADDS = "M, True, A_T, True, TOTALS and ROW_CHECK,\n" + " " * 27 + "TOTALS and (BYPRODUCT or SIDE_OUT)"
 _FINISH = "    if EVIDENCE:\n        # A block is finished"
-_VERDICT = "        if ROW_CHECK or COL_CHECK:\n            if count_done"
 _TILE_LOOP = "    for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):"
 _WARP_SPECIALIZED = {"warp_specialized": [(_TILE_LOOP, _TILE_LOOP[:-2] + ", warp_specialize=True):", 1)]}
 _EVIDENCE_PARTS_OFF = {
@@ -109,13 +109,25 @@ _EVIDENCE_PARTS_OFF = {
     "tickets_only": [("(valid & (ticket == tiles_n - 1), index, pid_m", "(valid & (ticket < 0), index, pid_m", 1)],
     # the counters packed side by side, as before they took a line each
     "counters_packed": [("COUNTER_STRIDE = tl.constexpr(32)", "COUNTER_STRIDE = tl.constexpr(1)", 1)],
-    # no launch verdict at all
-    "no_verdict": [(_VERDICT, "        if False:\n            if count_done", 1)],
-    # the launch's count after a fence of every thread and a barrier (the kernel before it did without)
-    "verdict_fenced": [
+    # counts (and the finish of the blocks they complete) in vectors of 16 tiles instead of 8: fewer
+    # rounds, vectors of 16·BLOCK rows at the finish
+    "chunk_16": [
         (
-            "            if count_done(counters_ptr",
-            "            fence_gpu(UPCAST)\n            tl.debug_barrier()\n            if count_done(counters_ptr",
+            "INTERPRETED: tl.constexpr, CHUNK: tl.constexpr = 8)",
+            "INTERPRETED: tl.constexpr, CHUNK: tl.constexpr = 16)",
+            1,
+        )
+    ],
+    # no launch verdict at all
+    "no_verdict": [
+        ("        if ROW_CHECK or COL_CHECK:\n            fence", "        if False:\n            fence", 1)
+    ],
+    # the launch's count without the fence and barrier before it (the slot's atomics are scalar: the
+    # counting thread's own)
+    "verdict_unfenced": [
+        (
+            "            fence_gpu(UPCAST)\n            tl.debug_barrier()\n            if count_done",
+            "            if count_done",
             1,
         )
     ],
@@ -158,8 +170,12 @@ def evidence_part_variants(case: Case, parts: list[str]) -> dict:
     for part in parts:
         module = _kernel_module_changed(part)
         cfg = module.TritonGemmConfig(**dataclasses.asdict(inline))
-        out[f"row_byproduct_inline_{part}"] = lambda m=module, cfg=cfg: m.launch_checked_gemm(
-            case.a, case.b, case.out, cfg=cfg, **kw
+        # Counters of its own: a variant that counts without finishing (`tickets_only`) leaves its
+        # counters climbing, and a later variant sharing them would never complete a block — it would
+        # time a launch that finishes nothing (an earlier run of this script did exactly that).
+        own = dict(kw, counters=torch.zeros_like(case.counters))
+        out[f"row_byproduct_inline_{part}"] = lambda m=module, cfg=cfg, own=own: m.launch_checked_gemm(
+            case.a, case.b, case.out, cfg=cfg, **own
         )
     return out
 

@@ -6,8 +6,8 @@
 #   evidence      the evidence inside the launch against a second launch in a protected HF step
 #                 (results/evidence_shadow.json), and the clean alarms of full checking (results/alarms/)
 #   diagnose      where a checked GEMM's time goes (results/gemm_diagnose.json) and a host profile of launches
-#   evidence-parts  the evidence inside the launch with one part switched off at a time, the counters'
-#                 layouts among them (results/gemm_diagnose_evidence_parts.json), then the checked GEMM's
+#   evidence-parts  the evidence inside the launch beside it with parts switched off or changed
+#                 (results/gemm_diagnose_evidence_parts.json), then the checked GEMM's
 #                 GPU tests (about 3 minutes) and the inline-against-second-launch shadow of a real step
 #   tune          choose the configuration per shape class (benchmarks/gemm_tune.py → results/gemm_tune.json)
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
@@ -21,6 +21,8 @@
 #                 fingerprints, hot path): about 6 minutes
 #   tests-2       the GPU-marked tests of the kernels (GEMM, Linear, attention; about 4 minutes), then the
 #                 GEMM's small-shape tests on CUDA
+#   gluon-probe   a ping-pong warp-specialized GEMM in Gluon with and without the row check's partials
+#                 (results/gluon_pingpong_probe.json)
 #   tile-check    the tile-local row check probe (results/gemm_tile_check.json)
 #   cutlass-probe CUTLASS's CuTe DSL Hopper GEMM beside ours (results/cutlass_probe.json). Needs, carried in
 #                 the ignored folder .dsl/: dsl.tar.xz (nvidia-cutlass-dsl[cu13] unpacked for the device's
@@ -62,7 +64,7 @@ case "${1:-tests-1}" in
     timeout 60 python benchmarks/gemm_diagnose.py --profile-host > "$out/gemm_host_profile.txt" 2>&1 ;;
   evidence-parts)
     timeout 200 python benchmarks/gemm_diagnose.py --evidence-parts --layers gate_up,q_o,8b.o \
-      --parts no_finish,no_verdict,verdict_fenced \
+      --parts no_finish,tickets_only,chunk_16 \
       --out benchmarks/results/gemm_diagnose_evidence_parts.json 2>&1 | grep -v "Warn\|^kernel regs" \
       | tee "$out/gemm_diagnose_evidence_parts.log" | tail -8
     cp benchmarks/results/gemm_diagnose_evidence_parts.json "$out/"
@@ -110,6 +112,10 @@ case "${1:-tests-1}" in
       tests/test_triton_attention.py -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu_tests_2.log" | tail -40
     timeout 150 python -m pytest -q -m "not gpu" tests/test_triton_gemm.py -p no:cacheprovider 2>&1 \
       | tee "$out/gpu_small_shape_tests.log" | tail -15 ;;
+  gluon-probe)
+    timeout 150 python benchmarks/gluon_pingpong_probe.py --out benchmarks/results/gluon_pingpong_probe.json 2>&1 \
+      | grep -v Warn | tee "$out/gluon_pingpong_probe.log" | tail -12
+    cp benchmarks/results/gluon_pingpong_probe.json "$out/" ;;
   tile-check)
     timeout 400 python benchmarks/gemm_tile_check.py --out benchmarks/results/gemm_tile_check.json 2>&1 \
       | tee "$out/gemm_tile_check.log" | tail -25
@@ -134,5 +140,5 @@ case "${1:-tests-1}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|evidence|diagnose|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|cutlass-probe|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|evidence|diagnose|evidence-parts|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|gluon-probe|cutlass-probe|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

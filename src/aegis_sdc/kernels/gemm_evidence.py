@@ -16,8 +16,9 @@ Two ways to run it (`TritonGemmConfig.inline_evidence`); either also finishes th
   column for a column check); once its tiles are done, each program fences once and counts them
   into their row and column blocks (triton_gemm._finish_program_blocks); the program whose count
   completes a block reads that block's totals and leaves them zero by atomic exchange
-  (`take_totals`), judges it into the slot and writes its by-product (`finish_row_block`,
-  `finish_col_block`); the launch's last program concludes (`count_done`, `conclude_slot`).
+  (`take_totals`), judges it into the slot and writes its by-product (`finish_rows`,
+  `finish_cols`: all the blocks one program's counts completed at once); the launch's last program
+  concludes (`count_done`, `conclude_slot`).
   Finishing is spread over the launch: no program judges the whole GEMM at its end. The order of
   the fp64 additions varies from launch to launch; the evidence moves by fp64 rounding of its terms
   only (~1e-16), nothing a verdict can see, and the partials a replay compares stay per tile and
@@ -78,26 +79,20 @@ def _sum_parts(ptr, parts, size, offs, mask, PCHUNK: tl.constexpr):
 
 
 @triton.jit
-def judge_block(total, sq, start, mask, stats_ptr, stats_f64_ptr, SLOT: tl.constexpr, L2_SLOT: tl.constexpr):
-    """One block of rows (columns) from `start`: from their fp64 differences Σ − ref and sums of
-    squares [R], the normalized differences |Σ − ref| / (u·√Σsq) folded into the launch's slot by atomics — the packed
-    (value, index) maximum, the non-finite flag, Σ (Σ − ref)² (a statistic: order-free is fine). A
-    sum of squares that overflowed fp32 (|C| ≳ 10¹⁹) counts as non-finite.
-
-    The slot's atomics are scalar, so one thread of the program issues them (thread 0, as Triton
-    lowers a scalar atomic), the same thread whose count follows (`count_done`): its acq_rel orders
-    them before the count, the release the concluding program acquires, with no fence of the whole
-    program (with one, the inline verdict cost 4–10% of the GEMM: benchmarks/gemm_diagnose.py
-    --evidence-parts, `verdict_fenced`). They stay acq_rel, each waiting for its own completion: made
-    relaxed (fire-and-forget reductions) the same launch measured 8–9% slower, with or without the
-    verdict after them (results/gemm_diagnose_evidence_parts_relaxed_slot.json)."""
+def judge_block(total, sq, offs, mask, stats_ptr, stats_f64_ptr, SLOT: tl.constexpr, L2_SLOT: tl.constexpr):
+    """Rows (columns) `offs` [R] — one block, or the blocks one program completed together: from their
+    fp64 differences Σ − ref and sums of squares [R], the normalized differences |Σ − ref| / (u·√Σsq)
+    folded into the launch's slot by atomics — the packed (value, index) maximum (the smallest row of
+    a tie), the non-finite flag, Σ (Σ − ref)² (a statistic: order-free is fine). A sum of squares
+    that overflowed fp32 (|C| ≳ 10¹⁹) counts as non-finite."""
     raw = tl.where(mask, tl.abs(total), 0.0)
     tl.atomic_add(stats_f64_ptr + L2_SLOT, tl.sum(raw * raw, axis=0))
     diff = raw / tl.maximum(U32 * tl.sqrt(sq), TINY)
     nonfinite = (diff != diff) | (diff == float("inf")) | (sq == float("inf"))
     diff = tl.where(nonfinite, NAN_VALUE, diff)
     diff = tl.where(mask, diff, 0.0).to(tl.float32)
-    tl.atomic_max(stats_ptr + SLOT, _pack(tl.max(diff, axis=0), start + tl.argmax(diff, axis=0)))
+    worst = tl.max(diff, axis=0)
+    tl.atomic_max(stats_ptr + SLOT, _pack(worst, tl.min(tl.where(mask & (diff == worst), offs, 2**31 - 1), axis=0)))
     any_nonfinite = tl.max((nonfinite & mask).to(tl.int32), axis=0)
     if any_nonfinite > 0:
         tl.atomic_max(stats_ptr + _ST_NONFINITE, any_nonfinite.to(tl.int64))
@@ -116,7 +111,7 @@ def block_evidence(part_ptr, sq_ptr, ref_ptr, parts, ref_parts, size, start, sta
     total = _sum_parts(part_ptr, parts, size, offs, mask, 16)
     sq = _sum_parts(sq_ptr, parts, size, offs, mask, 16)
     ref = _sum_parts(ref_ptr, ref_parts, size, offs, mask, 16)
-    judge_block(total - ref, sq, start, mask, stats_ptr, stats_f64_ptr, SLOT, L2_SLOT)
+    judge_block(total - ref, sq, offs, mask, stats_ptr, stats_f64_ptr, SLOT, L2_SLOT)
 
 
 @triton.jit
@@ -242,8 +237,8 @@ def fence_gpu(INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def take_totals(total_ptr, offs, mask, CHUNK: tl.constexpr):
-    """The program that finishes a block: totals [CHUNK] at offs read and put back to zero in one atomic
+def take_totals(total_ptr, offs, mask):
+    """The program that finishes blocks: totals [R] at offs read and put back to zero in one atomic
     exchange each (fp64 moved as its int64 bits; masked lanes read 0).
 
     Why atomics: with plain loads and stores of zero there (`.cg`, or volatile), 6–9% of the
@@ -253,51 +248,45 @@ def take_totals(total_ptr, offs, mask, CHUNK: tl.constexpr):
     although every program fences before it counts itself done. The exchange is an atomic at the
     same point of coherence as the tiles' additions, and it reads and zeroes in one step: 0
     disagreements in the same runs, and no slower (benchmarks/results/alarms/README.md)."""
-    bits = tl.atomic_xchg(total_ptr.to(tl.pointer_type(tl.int64)) + offs, tl.zeros((CHUNK,), dtype=tl.int64),
+    bits = tl.atomic_xchg(total_ptr.to(tl.pointer_type(tl.int64)) + offs, tl.zeros(offs.shape, dtype=tl.int64),
                           mask=mask, sem="relaxed", scope="gpu")  # fmt: skip
     return tl.where(mask, bits.to(tl.float64, bitcast=True), 0.0)
 
 
 @triton.jit
-def finish_row_block(totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, start, M,
-                     ROW_CHECK: tl.constexpr, BYPRODUCT: tl.constexpr, SIDE_OUT: tl.constexpr, DT: tl.constexpr,
-                     BLOCK: tl.constexpr):  # fmt: skip
-    """Inline evidence, by the program whose count completes row block [start, start + BLOCK): its
-    totals taken (and left zero) — the row evidence folded into the slot, the by-product A·1 and its
-    S stored."""
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < M
+def finish_rows(totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr, offs, mask, M, ROW_CHECK: tl.constexpr,
+                ONES: tl.constexpr, BYPRODUCT: tl.constexpr):  # fmt: skip
+    """Inline evidence, by the program whose counts complete row blocks: the rows `offs` [R] of those
+    blocks (all of them at once: their exchanges in flight together), their totals taken (and left
+    zero) — the row evidence folded into the slot, the by-product A·1 stored; A·1 [R] returned
+    (with ONES) for the caller to store its S (`store_side`) block by block."""
     if ROW_CHECK:
-        diff = take_totals(totals_ptr, offs, mask, BLOCK)
-        sq = take_totals(totals_ptr + M, offs, mask, BLOCK)
-        judge_block(diff, sq, start, mask, stats_ptr, stats_f64_ptr, _ST_ROW, _ST_ROW_L2SQ)
-    if BYPRODUCT or SIDE_OUT:
-        ones = take_totals(totals_ptr + 2 * M, offs, mask, BLOCK)
+        diff = take_totals(totals_ptr, offs, mask)
+        sq = take_totals(totals_ptr + M, offs, mask)
+        judge_block(diff, sq, offs, mask, stats_ptr, stats_f64_ptr, _ST_ROW, _ST_ROW_L2SQ)
+    ones = tl.zeros(offs.shape, dtype=tl.float64)
+    if ONES:
+        ones = take_totals(totals_ptr + 2 * M, offs, mask)
         if BYPRODUCT:
             tl.store(byproduct_ptr + offs, ones, mask=mask)
-        if SIDE_OUT:
-            store_side(side_out_ptr, offs, mask, ones, DT)
+    return ones
 
 
 @triton.jit
-def finish_col_block(totals_ptr, stats_ptr, stats_f64_ptr, start, M, N, BLOCK: tl.constexpr):
-    """Inline evidence, by the program whose count completes column block [start, start + BLOCK): its
-    totals taken (and left zero), the column evidence folded into the slot."""
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < N
-    diff = take_totals(totals_ptr + 3 * M, offs, mask, BLOCK)
-    sq = take_totals(totals_ptr + 3 * M + N, offs, mask, BLOCK)
-    judge_block(diff, sq, start, mask, stats_ptr, stats_f64_ptr, _ST_COL, _ST_COL_L2SQ)
+def finish_cols(totals_ptr, stats_ptr, stats_f64_ptr, offs, mask, M, N):
+    """Inline evidence, by the program whose counts complete column blocks: the columns `offs` [R] of
+    those blocks, their totals taken (and left zero), the column evidence folded into the slot."""
+    diff = take_totals(totals_ptr + 3 * M, offs, mask)
+    sq = take_totals(totals_ptr + 3 * M + N, offs, mask)
+    judge_block(diff, sq, offs, mask, stats_ptr, stats_f64_ptr, _ST_COL, _ST_COL_L2SQ)
 
 
 @triton.jit
 def count_done(counter_ptr, expected):
     """Count one more contribution to a launch (or block) whose `expected` contributions complete it;
     whether this one completed it (then the counter is put back to zero for the next launch). The
-    count is one thread's (thread 0, a scalar atomic): its acq_rel publishes that thread's earlier
-    writes and atomics — the slot's (`judge_block`) — and whatever the program fenced before a
-    barrier earlier (the tiles' partials, before the block counts), and in the completing program
-    acquires everyone's."""
+    caller has fenced its writes (`fence_gpu`) and joined its threads: the acq_rel count publishes them
+    to the completing program and, there, acquires everyone's."""
     done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     last = done == expected - 1
     if last:

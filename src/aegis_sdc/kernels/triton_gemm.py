@@ -61,10 +61,10 @@ from aegis_sdc.kernels.gemm_evidence import (  # noqa: F401  (the evidence layou
     count_done,
     evidence_kernel,
     fence_gpu,
-    finish_col_block,
     finish_col_block_parts,
-    finish_row_block,
+    finish_cols,
     finish_row_block_parts,
+    finish_rows,
 )
 from aegis_sdc.kernels.gemm_side import (
     SIDE_COLUMNS,
@@ -73,6 +73,7 @@ from aegis_sdc.kernels.gemm_side import (
     load_side,
     side_columns,
     side_descriptor,
+    store_side,
 )
 from aegis_sdc.kernels.grid import ceil_div
 
@@ -80,8 +81,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # int32 slots from one evidence counter to the next: one 128-byte L2 line each, so that the tiles'
 # counts into different row (column) blocks never queue at one line. Measured neutral on the H200
 # against the counters packed side by side (benchmarks/gemm_diagnose.py --evidence-parts,
-# `counters_packed`: within 1–3% either way); the inside-launch cost that prompted it was the
-# verdict's fence (see the verdict below).
+# `counters_packed`, within 1–3% either way); the evidence's inside-launch cost is in finishing the
+# blocks (docs/gpu.md, "Where the evidence inside the launch costs").
 COUNTER_STRIDE = tl.constexpr(32)
 # Fault models (constexpr): 0 none, 1 perturb (add delta), 2 bitflip (xor bits)
 FAULT_NONE, FAULT_PERTURB, FAULT_BITFLIP = 0, 1, 2
@@ -133,7 +134,7 @@ def _side_part(x_desc, s_desc, scale_ptr, off, part, parts, k_tiles, ref_ptr, on
     for the R rows of X from `off` — X = A's row block (ROW) or Bᵀ's column block — in one fp32
     chain, re-reading the slice's X tiles; then in fp64 to ref_ptr[part, off:off+R] (and the ones
     column to ones_ptr), and where the evidence inside the launch reads them, subtracted from the
-    difference totals and the ones added to theirs (gemm_evidence.finish_row_block)."""
+    difference totals and the ones added to theirs (gemm_evidence.finish_rows)."""
     k_lo = part * k_tiles // parts
     k_hi = (part + 1) * k_tiles // parts
     side = tl.zeros((R, SIDE_N), dtype=tl.float32)
@@ -157,7 +158,7 @@ def _store_partials(acc, AXIS: tl.constexpr, part_ptr, sq_ptr, offs, mask, diff_
                     EVIDENCE: tl.constexpr):  # fmt: skip
     """A tile's accumulator sums and sums of squares [R] along AXIS (1: of each row, 0: of each
     column), stored as its partials at offs and, where the evidence is finished inside the launch,
-    added to the launch's totals (gemm_evidence.finish_row_block)."""
+    added to the launch's totals (gemm_evidence.finish_rows)."""
     total = tl.sum(acc, axis=AXIS)
     sq = tl.sum(acc * acc, axis=AXIS)
     tl.store(part_ptr + offs, total, mask=mask)
@@ -171,33 +172,55 @@ def _store_partials(acc, AXIS: tl.constexpr, part_ptr, sq_ptr, offs, mask, diff_
 def _finish_completed(done, index, block, counter_ptr, totals_ptr, parts, stats_ptr, stats_f64_ptr, byproduct_ptr,
                       side_out_ptr, M, N, ROWS: tl.constexpr, ROW_CHECK: tl.constexpr, BYPRODUCT: tl.constexpr,
                       SIDE_OUT: tl.constexpr, TOTALS: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr,
-                      INTERPRETED: tl.constexpr):  # fmt: skip
-    """Finish the blocks [CHUNK] (`block`) whose tickets `done` completed them, one at a time (a
-    program completes about one block per launch): everyone's writes acquired, the block's counter
-    put back to zero, and the block judged — from the fp64 totals the tiles added to (TOTALS:
-    gemm_evidence.finish_row_block / finish_col_block), or from the tiles' stored partials and side
-    slices, summed in their fixed order (gemm_evidence.finish_row_block_parts /
-    finish_col_block_parts). `parts`: (row_part, rsq_part, rowref, rowones, row_parts, col_part,
-    csq_part, colref, col_parts, tiles_m, tiles_n)."""
+                      CHUNK: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """Finish the blocks [CHUNK] (`block`) whose tickets `done` completed them: everyone's writes
+    acquired (one fence), the blocks' counters put back to zero, and the blocks judged — from the
+    fp64 totals the tiles added to, all of them at once (TOTALS: gemm_evidence.finish_rows /
+    finish_cols over the blocks' rows [CHUNK·BLOCK], so that their exchanges and the slot's atomics
+    are in flight together), or from the tiles' stored partials and side slices, one block after
+    another, summed in their fixed order (gemm_evidence.finish_row_block_parts /
+    finish_col_block_parts). Why all at once: the program whose tiles finish last completes every
+    block it holds the last tile of, at the launch's end — one after another, each a few round
+    trips, they made the evidence inside the launch 5–9% of the GEMM (benchmarks/gemm_diagnose.py
+    --evidence-parts). `parts`: (row_part, rsq_part, rowref, rowones, row_parts, col_part, csq_part,
+    colref, col_parts, tiles_m, tiles_n)."""
     row_part, rsq_part, rowref, rowones, row_parts, col_part, csq_part, colref, col_parts, tiles_m, tiles_n = parts
-    for _ in range(tl.sum(done.to(tl.int32), axis=0)):
-        first = tl.min(tl.where(done, index, 2**30), axis=0)
-        start = tl.sum(tl.where(index == first, block, 0), axis=0)
-        done = done & (index != first)
-        fence_gpu(INTERPRETED)
-        tl.store(counter_ptr + start * COUNTER_STRIDE, 0)
-        if ROWS and TOTALS:
-            finish_row_block(totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, start * BLOCK, M,
-                             ROW_CHECK, BYPRODUCT, SIDE_OUT, DT, BLOCK)  # fmt: skip
-        elif ROWS:
-            finish_row_block_parts(row_part, rsq_part, rowref, rowones, tiles_n, row_parts, M, start * BLOCK, stats_ptr,
-                                   stats_f64_ptr, byproduct_ptr, side_out_ptr, ROW_CHECK, BYPRODUCT, SIDE_OUT, DT,
-                                   BLOCK)  # fmt: skip
-        elif TOTALS:
-            finish_col_block(totals_ptr, stats_ptr, stats_f64_ptr, start * BLOCK, M, N, BLOCK)
-        else:
-            finish_col_block_parts(col_part, csq_part, colref, tiles_m, col_parts, N, start * BLOCK, stats_ptr,
-                                   stats_f64_ptr, BLOCK)  # fmt: skip
+    if TOTALS:
+        if tl.max(done.to(tl.int32), axis=0) > 0:
+            fence_gpu(INTERPRETED)
+            tl.store(counter_ptr + block * COUNTER_STRIDE, 0, mask=done)
+            # the completed blocks' rows (columns) [CHUNK·BLOCK], lane by lane; other lanes masked
+            offs = tl.reshape(block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :], [CHUNK * BLOCK])
+            lanes = tl.reshape(tl.broadcast_to(done[:, None], [CHUNK, BLOCK]), [CHUNK * BLOCK])
+            if ROWS:
+                ones = finish_rows(totals_ptr, stats_ptr, stats_f64_ptr, byproduct_ptr, offs, lanes & (offs < M), M,
+                                   ROW_CHECK, BYPRODUCT or SIDE_OUT, BYPRODUCT)  # fmt: skip
+                if SIDE_OUT:
+                    # S(A·1) [BLOCK, 16] block by block: all [CHUNK·BLOCK, 16] at once took every register
+                    # (kernel_registers.py), and plain stores leave nothing to wait for between blocks
+                    ones = tl.reshape(ones, [CHUNK, BLOCK])
+                    lane = tl.arange(0, CHUNK)
+                    for c in tl.static_range(CHUNK):
+                        if tl.sum(tl.where(lane == c, done.to(tl.int32), 0), axis=0) > 0:
+                            rows = tl.sum(tl.where(lane == c, block, 0), axis=0) * BLOCK + tl.arange(0, BLOCK)
+                            block_ones = tl.sum(tl.where(lane[:, None] == c, ones, 0.0), axis=0)
+                            store_side(side_out_ptr, rows, rows < M, block_ones, DT)
+            else:
+                finish_cols(totals_ptr, stats_ptr, stats_f64_ptr, offs, lanes & (offs < N), M, N)
+    else:
+        for _ in range(tl.sum(done.to(tl.int32), axis=0)):
+            first = tl.min(tl.where(done, index, 2**30), axis=0)
+            start = tl.sum(tl.where(index == first, block, 0), axis=0)
+            done = done & (index != first)
+            fence_gpu(INTERPRETED)
+            tl.store(counter_ptr + start * COUNTER_STRIDE, 0)
+            if ROWS:
+                finish_row_block_parts(row_part, rsq_part, rowref, rowones, tiles_n, row_parts, M, start * BLOCK,
+                                       stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, ROW_CHECK, BYPRODUCT,
+                                       SIDE_OUT, DT, BLOCK)  # fmt: skip
+            else:
+                finish_col_block_parts(col_part, csq_part, colref, tiles_m, col_parts, N, start * BLOCK, stats_ptr,
+                                       stats_f64_ptr, BLOCK)  # fmt: skip
 
 
 @triton.jit
@@ -205,11 +228,13 @@ def _finish_program_blocks(row_done, col_done, tiles_m, tiles_n, totals_ptr, par
                            byproduct_ptr, side_out_ptr, M, N, ROWS: tl.constexpr, ROW_CHECK: tl.constexpr,
                            COL_CHECK: tl.constexpr, BYPRODUCT: tl.constexpr, SIDE_OUT: tl.constexpr,
                            TOTALS: tl.constexpr, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr = 16):  # fmt: skip
+                           GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr = 8):  # fmt: skip
     """Inline evidence, once a program's tiles are done and fenced: each of its tiles counted into its
     row block and column block, CHUNK tiles in one vector of relaxed atomics (their round trips in
     parallel; the count before each is the tile's ticket, and the ticket contributions − 1 completes
-    its block), and the blocks those counts completed finished here. The fence before the counts
+    its block), and the blocks each vector of counts completed finished here, together. CHUNK = 8:
+    the finish's vectors are CHUNK·BLOCK rows (a program holds ~10–20 tiles, so 2–3 rounds). The
+    fence before the counts
     makes them a release of the program's additions, the fence before a block's finish an acquire
     of everyone's (`_finish_completed`)."""
     first_tile = tl.program_id(0)
@@ -224,12 +249,12 @@ def _finish_program_blocks(row_done, col_done, tiles_m, tiles_n, totals_ptr, par
             ticket = tl.atomic_add(row_done + pid_m * COUNTER_STRIDE, 1, mask=valid, sem="relaxed", scope="gpu")
             _finish_completed(valid & (ticket == tiles_n - 1), index, pid_m, row_done, totals_ptr, parts, stats_ptr,
                               stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N, True, ROW_CHECK, BYPRODUCT, SIDE_OUT,
-                              TOTALS, DT, BM, INTERPRETED)  # fmt: skip
+                              TOTALS, DT, BM, CHUNK, INTERPRETED)  # fmt: skip
         if COL_CHECK:
             ticket = tl.atomic_add(col_done + pid_n * COUNTER_STRIDE, 1, mask=valid, sem="relaxed", scope="gpu")
             _finish_completed(valid & (ticket == tiles_m - 1), index, pid_n, col_done, totals_ptr, parts, stats_ptr,
                               stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N, False, ROW_CHECK, BYPRODUCT, SIDE_OUT,
-                              TOTALS, DT, BN, INTERPRETED)  # fmt: skip
+                              TOTALS, DT, BN, CHUNK, INTERPRETED)  # fmt: skip
 
 
 # Integer arguments are not specialized on their values (a shape seen for the first time reuses the
@@ -260,7 +285,7 @@ def checked_gemm_kernel(
     side_out_ptr,  # [M, 16] out (SIDE_OUT, inline): S(A·1), as a later wgrad's side reads it
     counters_ptr,  # int32 [(1 + tiles_m + tiles_n)·COUNTER_STRIDE], zero: programs, row and column blocks done
     #                (inline), one line each; left zero
-    totals_ptr,  # fp64 [3·M + 2·N], zero: the launch's sums (gemm_evidence.finish_row_block), left zero
+    totals_ptr,  # fp64 [3·M + 2·N], zero: the launch's sums (gemm_evidence.finish_rows), left zero
     stats_ptr,  # int64 [STATS_LEN], zero
     stats_f64_ptr,  # the same slot as fp64
     pool_data_ptr,
@@ -396,11 +421,9 @@ def checked_gemm_kernel(
                                tiles_n, totals_ptr, parts, stats_ptr, stats_f64_ptr, byproduct_ptr, side_out_ptr, M, N,
                                ROW_CHECK or BYPRODUCT or SIDE_OUT, ROW_CHECK, COL_CHECK, BYPRODUCT, SIDE_OUT, TOTALS,
                                DT, BM, BN, GROUP_M, UPCAST)  # fmt: skip
-        # The launch's count needs no fence of its own: what it publishes beyond the fence above is the
-        # slot's atomics, issued by the thread that counts (gemm_evidence.judge_block). With a fence
-        # and barrier of every program here the verdict cost 4–10% of the GEMM (gemm_diagnose.py
-        # --evidence-parts: `verdict_fenced` against this; `no_verdict` none at all).
         if ROW_CHECK or COL_CHECK:
+            fence_gpu(UPCAST)
+            tl.debug_barrier()
             if count_done(counters_ptr, tl.num_programs(0)):
                 conclude_slot(stats_ptr, a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr,
                               colref_ptr, pool_data_ptr, pool_f32_ptr, pool_counter_ptr, row_threshold, col_threshold,
