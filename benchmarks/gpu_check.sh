@@ -21,7 +21,7 @@
 #                 fingerprints, hot path): about 6 minutes
 #   tests-2       the GPU-marked tests of the kernels (GEMM, Linear, attention; about 4 minutes), then the
 #                 GEMM's small-shape tests on CUDA
-#   gluon-probe   a ping-pong warp-specialized GEMM in Gluon with and without the row check's partials
+#   gluon-probe   a ping-pong warp-specialized GEMM in Gluon: three tiles; the row check's partials, then its side too
 #                 (results/gluon_pingpong_probe.json)
 #   tile-check    the tile-local row check probe (results/gemm_tile_check.json)
 #   cutlass-probe CUTLASS's CuTe DSL Hopper GEMM beside ours (results/cutlass_probe.json). Needs, carried in
@@ -113,7 +113,7 @@ case "${1:-tests-1}" in
     timeout 150 python -m pytest -q -m "not gpu" tests/test_triton_gemm.py -p no:cacheprovider 2>&1 \
       | tee "$out/gpu_small_shape_tests.log" | tail -15 ;;
   gluon-probe)
-    timeout 150 python benchmarks/gluon_pingpong_probe.py --out benchmarks/results/gluon_pingpong_probe.json 2>&1 \
+    timeout 400 python benchmarks/gluon_pingpong_probe.py --out benchmarks/results/gluon_pingpong_probe.json 2>&1 \
       | grep -v Warn | tee "$out/gluon_pingpong_probe.log" | tail -12
     cp benchmarks/results/gluon_pingpong_probe.json "$out/" ;;
   tile-check)
