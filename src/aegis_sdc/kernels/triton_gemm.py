@@ -234,9 +234,8 @@ def _finish_program_blocks(row_done, col_done, tiles_m, tiles_n, totals_ptr, par
     parallel; the count before each is the tile's ticket, and the ticket contributions − 1 completes
     its block), and the blocks each vector of counts completed finished here, together. CHUNK = 8:
     the finish's vectors are CHUNK·BLOCK rows (a program holds ~10–20 tiles, so 2–3 rounds). The
-    fence before the counts
-    makes them a release of the program's additions, the fence before a block's finish an acquire
-    of everyone's (`_finish_completed`)."""
+    fence before the counts makes them a release of the program's additions, the fence before a
+    finish an acquire of everyone's (`_finish_completed`)."""
     first_tile = tl.program_id(0)
     step = tl.num_programs(0)
     mine = tl.cdiv(tiles_m * tiles_n - first_tile, step)
