@@ -179,10 +179,11 @@ def _finish_completed(done, index, block, counter_ptr, totals_ptr, parts, stats_
     finish_cols over the blocks' rows [CHUNK·BLOCK], so that their exchanges and the slot's atomics
     are in flight together), or from the tiles' stored partials and side slices, one block after
     another, summed in their fixed order (gemm_evidence.finish_row_block_parts /
-    finish_col_block_parts). Why all at once: the program whose tiles finish last completes every
-    block it holds the last tile of, at the launch's end — one after another, each a few round
-    trips, they made the evidence inside the launch 5–9% of the GEMM (benchmarks/gemm_diagnose.py
-    --evidence-parts). `parts`: (row_part, rsq_part, rowref, rowones, row_parts, col_part, csq_part,
+    finish_col_block_parts). Why all at once: finishing the blocks made the evidence inside the
+    launch 5–9% of the GEMM where counting the tiles cost nothing (benchmarks/gemm_diagnose.py
+    --evidence-parts), and the program whose tiles end last completes every block it holds the last
+    tile of, at the launch's end: one after another, each a few round trips, those finishes are the
+    likely cause. `parts`: (row_part, rsq_part, rowref, rowones, row_parts, col_part, csq_part,
     colref, col_parts, tiles_m, tiles_n)."""
     row_part, rsq_part, rowref, rowones, row_parts, col_part, csq_part, colref, col_parts, tiles_m, tiles_n = parts
     if TOTALS:
