@@ -11,7 +11,7 @@ every compiled variant.
 
 `--evidence-parts`: the training step's checked launch with one part of its evidence switched off or
 changed at a time (the kernel's module loaded again from patched source; `--parts` picks which of
-`_EVIDENCE_PARTS_OFF`, each with counters of its own), beside the same launch whole, with a second
+`_EVIDENCE_CHANGES`, each with counters of its own), beside the same launch whole, with a second
 launch, and with no evidence. `--warp-specialized`: the kernel's parts with Triton's warp
 specialization of the tile loop, and whether its output is bit-identical.
 
@@ -91,7 +91,7 @@ _SIDE_ADDS = "M, True, A_T, True, TOTALS and ROW_CHECK,\n" + " " * 27 + "TOTALS 
 _FINISH = "    if EVIDENCE:\n        # A block is finished"
 _TILE_LOOP = "    for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):"
 _WARP_SPECIALIZED = {"warp_specialized": [(_TILE_LOOP, _TILE_LOOP[:-2] + ", warp_specialize=True):", 1)]}
-_EVIDENCE_PARTS_OFF = {
+_EVIDENCE_CHANGES = {
     # the tiles add nothing to the totals (the finish then reads zeros)
     "no_additions": [
         ("row_sq_total, TOTALS)", "row_sq_total, False)", 2),
@@ -134,7 +134,7 @@ _EVIDENCE_PARTS_OFF = {
 }
 
 
-_KERNEL_CHANGES = _WARP_SPECIALIZED | _EVIDENCE_PARTS_OFF
+_KERNEL_CHANGES = _WARP_SPECIALIZED | _EVIDENCE_CHANGES
 
 
 def _kernel_module_changed(change: str):
@@ -159,7 +159,7 @@ def _kernel_module_changed(change: str):
 
 def evidence_part_variants(case: Case, parts: list[str]) -> dict:
     """The training step's checked launch (row check, by-product, evidence inside) with each named
-    change of `_EVIDENCE_PARTS_OFF`."""
+    change of `_EVIDENCE_CHANGES`."""
     inline = dataclasses.replace(case.cfg, inline_evidence=True)
     rows = case.out.shape[0]
     kw = dict(a_t=case.a_t, b_t=case.b_t, scratch=True, c_side=case.c_side, row_check=True, row_side=True,
@@ -234,7 +234,7 @@ def main() -> None:
         action="store_true",
         help="the evidence inside the launch with one part changed at a time, beside a few others",
     )
-    parser.add_argument("--parts", default=",".join(_EVIDENCE_PARTS_OFF),
+    parser.add_argument("--parts", default=",".join(_EVIDENCE_CHANGES),
                         help="with --evidence-parts: which of its changes (default: all)")  # fmt: skip
     parser.add_argument("--warp-specialized", action="store_true",
                         help="the warp-specialized variants, and whether their output is bit-identical")  # fmt: skip
@@ -268,9 +268,9 @@ def main() -> None:
             if args.evidence_parts:
                 chosen = {key: chosen[key] for key in ("unchecked", "side_and_partials", "row_separate",
                                                        "row_byproduct_inline")}  # fmt: skip
-                unknown = set(args.parts.split(",")) - set(_EVIDENCE_PARTS_OFF)
+                unknown = set(args.parts.split(",")) - set(_EVIDENCE_CHANGES)
                 if unknown:
-                    raise SystemExit(f"unknown --parts {sorted(unknown)}; known: {list(_EVIDENCE_PARTS_OFF)}")
+                    raise SystemExit(f"unknown --parts {sorted(unknown)}; known: {list(_EVIDENCE_CHANGES)}")
                 chosen |= evidence_part_variants(case, args.parts.split(","))
             for label, fn in chosen.items():
                 try:
