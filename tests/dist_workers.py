@@ -48,12 +48,12 @@ def fail_during_exchange(guard, stall_at: int | None, die_at: int | None) -> Non
     """Make this rank stall (sleep) or die (exit) inside the guard's per-step exchange."""
     exchange = guard._exchange
 
-    def failing(step, report):
+    def failing(step, *rest):
         if step == stall_at:
             time.sleep(8)
         if step == die_at:
             os._exit(3)
-        return exchange(step, report)
+        return exchange(step, *rest)
 
     guard._exchange = failing
 
@@ -67,6 +67,49 @@ def corrupt_state(model, optimizer, spec: dict) -> None:
     with torch.no_grad():
         target = param if spec["kind"] == "weight" else optimizer.state[param][spec["kind"]]
         target.view(-1)[:8].mul_(spec.get("factor", 1e4))
+
+
+def corrupt_replica(model, optimizer, spec: dict, snapshots: dict) -> None:
+    """A fault of the replica state families (the public fault kits' list) on this rank, in place
+    between two steps: kind "bit" (flip `bit` of element `index` of the parameter, or of the
+    optimizer state `state`), "row" (row `row` × `factor`), "scale" (the state tensor × `factor`),
+    "stale" (the parameter back to its value one step earlier: this replica missed an update)."""
+    params = dict(model.named_parameters())
+    param = params.get(spec["param"]) or params["module." + spec["param"]]
+    with torch.no_grad():
+        target = param if "state" not in spec else optimizer.state[param][spec["state"]]
+        kind = spec["kind"]
+        if kind == "bit":
+            words = target.view(-1)[spec.get("index", 0) : spec.get("index", 0) + 1].view(torch.int32)
+            words ^= torch.tensor(1 << spec["bit"] if spec["bit"] < 31 else -(1 << 31), dtype=torch.int32)
+        elif kind == "row":
+            target[spec.get("row", 0)].mul_(spec["factor"])
+        elif kind == "scale":
+            target.mul_(spec["factor"])
+        elif kind == "stale":
+            target.copy_(snapshots[spec["param"]])
+        else:
+            raise ValueError(f"unknown corruption kind {kind!r}")
+
+
+def train_with_faults(model, data, optimizer, steps: int, rank: int, faults: list[dict], delay: dict | None) -> list:
+    """`train` one step at a time: this rank's faults of `corrupt_replica` land before their step's
+    forward; `delay` ({"rank", "every", "seconds"}) makes a rank slow."""
+    params = dict(model.named_parameters())
+    losses, snapshots = [], {}
+    for step in range(steps):
+        for spec in faults:
+            if spec["rank"] != rank:
+                continue
+            if spec["kind"] == "stale" and spec["step"] == step + 1:  # the value before this step's update
+                param = params.get(spec["param"]) or params["module." + spec["param"]]
+                snapshots[spec["param"]] = param.detach().clone()
+            if spec["step"] == step:
+                corrupt_replica(model, optimizer, spec, snapshots)
+        if delay and delay["rank"] == rank and step % delay["every"] == 0:
+            time.sleep(delay["seconds"])
+        losses += train(model, data, optimizer, 1)
+    return losses
 
 
 def guarded_training(rank: int, world: int, port: int, out: str, options: dict) -> None:
@@ -122,7 +165,10 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
         started = time.monotonic()
         corruption = options.get("corrupt")
         try:
-            if corruption is not None:  # train to the corruption step, corrupt this rank's state, go on
+            if options.get("replica_faults") is not None or options.get("delay") is not None:
+                faults, delay, steps = options.get("replica_faults", []), options.get("delay"), options.get("steps", 24)
+                result["losses"] = train_with_faults(model, data, optimizer, steps, rank, faults, delay)
+            elif corruption is not None:  # train to the corruption step, corrupt this rank's state, go on
                 result["losses"] = train(model, data, optimizer, corruption["step"])
                 if rank == corruption["rank"]:
                     corrupt_state(model, optimizer, corruption)
@@ -143,6 +189,7 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
             result["verdicts"] = [
                 {"site": v.site.name, "step": v.step, "kind": v.kind.value, "detail": v.detail} for v in verdicts
             ]
+            result["state_votes"] = guard.state_vote.votes if guard.state_vote is not None else 0
             result["checks_per_step"] = [s.step_stats.checks for s in guard.sensors]
             result["relaxations"] = sum(s.row.relaxations + s.col.relaxations for s in guard.sensors)
             if "exchange_error" not in result:

@@ -19,6 +19,7 @@ from aegis_sdc.config import (
     ResponseConfig,
     SamplingConfig,
     ThresholdConfig,
+    UpdateReplayConfig,
     VerifyConfig,
 )
 from aegis_sdc.distributed.context import RankExchangeError
@@ -102,6 +103,7 @@ __all__ = [
     "StepReport",
     "ThresholdConfig",
     "Tile",
+    "UpdateReplayConfig",
     "VTask",
     "Verdict",
     "VerdictKind",

@@ -235,6 +235,14 @@ class DistributedConfig:
       rank that dies or stalls makes the others raise `RankExchangeError` instead of hanging.
     - `comm_check`: check DDP all-reduces / FSDP2 reduce-scatters of gradients with linear checksums.
     - `comm_chunks`: checksums per bucket (localization and sensitivity grow with it).
+    - `state_vote`: under DDP, the replicas vote on their parameters and optimizer state at every
+      step's end (sensors/state_vote.py): a weight or an optimizer moment corrupted at rest, or a
+      replica that missed an update, is named at the next step's end (with two replicas: proven,
+      no rank named). Costs one read of the voted tensors (fingerprints at the read bandwidth).
+    - `vote_param_slices`: the parameters are voted in this many rotating slices (1: all of them at
+      every step; a corrupted parameter is found within this many steps).
+    - `vote_state_slices`: likewise the optimizer state; 16 by default because it is 2–3× the
+      parameters' bytes (Adam's two fp32 moments) and changes only through the update.
     """
 
     outlier_factor: float = 10.0
@@ -243,6 +251,9 @@ class DistributedConfig:
     exchange_timeout_s: float = 300.0
     comm_check: bool = True
     comm_chunks: int = 64
+    state_vote: bool = True
+    vote_param_slices: int = 1
+    vote_state_slices: int = 16
 
     def __post_init__(self) -> None:
         _require(
@@ -253,6 +264,8 @@ class DistributedConfig:
         _require(self.warmup_steps >= 0, "DistributedConfig.warmup_steps must be >= 0")
         _require(self.exchange_timeout_s > 0, "DistributedConfig.exchange_timeout_s must be > 0")
         _require(self.comm_chunks >= 1, "DistributedConfig.comm_chunks must be >= 1")
+        _require(self.vote_param_slices >= 1, "DistributedConfig.vote_param_slices must be >= 1")
+        _require(self.vote_state_slices >= 1, "DistributedConfig.vote_state_slices must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -296,6 +309,25 @@ class FingerprintConfig:
         _require(self.pool_slots >= 1, "FingerprintConfig.pool_slots must be >= 1")
 
 
+@dataclass(frozen=True)
+class UpdateReplayConfig:
+    """Optimizer-update replay (sensors/update_replay.py): each step, a slice of the parameters'
+    update is executed again from a copy of its inputs and compared bit for bit.
+
+    - `enabled`: on by default: no other check sees the optimizer step.
+    - `slices`: the parameters are split into this many slices of about equal bytes, one replayed per
+      step (every parameter's update every `slices` steps). 64 keeps the copies and the second
+      update near 1/64 of the optimizer step's own memory traffic, and the copies' memory near
+      2/64 of the parameters', gradients' and state's bytes.
+    """
+
+    enabled: bool = True
+    slices: int = 64
+
+    def __post_init__(self) -> None:
+        _require(self.slices >= 1, "UpdateReplayConfig.slices must be >= 1")
+
+
 def default_run_dir() -> str:
     """``aegis-runs/<run id>``; the id comes from AEGIS_RUN_ID, torchrun's run id, or the start time."""
     run_id = os.environ.get("AEGIS_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
@@ -337,6 +369,7 @@ class GuardConfig:
     response: ResponseConfig = field(default_factory=ResponseConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     fingerprints: FingerprintConfig = field(default_factory=FingerprintConfig)
+    update_replay: UpdateReplayConfig = field(default_factory=UpdateReplayConfig)
     attention: bool = True
     faults: tuple[FaultSpec, ...] = ()
     include: tuple[str, ...] = ("*",)
@@ -355,6 +388,7 @@ class GuardConfig:
             ("response", ResponseConfig),
             ("distributed", DistributedConfig),
             ("fingerprints", FingerprintConfig),
+            ("update_replay", UpdateReplayConfig),
         ):
             value = getattr(self, name)
             _require(

@@ -45,6 +45,14 @@ class AttentionKind(str, enum.Enum):
     BACKWARD = "attn_bwd"  # 1ᵀdV against 1ᵀdO
 
 
+class StateKind(str, enum.Enum):
+    """What a state site protects: a parameter's replicated state, or its optimizer update."""
+
+    PARAM = "param"  # a parameter's value, voted across data-parallel replicas
+    OPTIMIZER_STATE = "optimizer_state"  # its optimizer state (Adam's moments, …), voted likewise
+    OPTIMIZER_UPDATE = "optimizer_update"  # its update, re-executed from a snapshot of its inputs
+
+
 class Channel(str, enum.Enum):
     """Which checksum raised the evidence."""
 
@@ -53,6 +61,7 @@ class Channel(str, enum.Enum):
     NONFINITE = "nonfinite"  # the checksums themselves are NaN/Inf
     COMM = "comm"  # collective: a reduced chunk's sum against the sum of the ranks' local sums
     FINGERPRINT = "fingerprint"  # two fingerprints of what must be the same bits
+    VOTE = "vote"  # the replicas' fingerprints of what must be the same state
 
 
 class VerdictKind(str, enum.Enum):
@@ -85,7 +94,7 @@ class Site:
 
     id: int
     module: str
-    kind: GemmKind | CommKind | FingerprintKind | AttentionKind
+    kind: GemmKind | CommKind | FingerprintKind | AttentionKind | StateKind
     op: str = "linear"
 
     @property
@@ -249,6 +258,8 @@ class Incident:
         tiles = ", ".join(str(t) for t in self.verdict.mismatched_tiles) or "n/a"
         if self.evidence.channel is Channel.FINGERPRINT:
             seen = f"the fingerprints of {int(self.evidence.value)} tensor(s) differ"
+        elif self.evidence.channel is Channel.VOTE:
+            seen = f"its replica differs from {int(self.evidence.value)} agreeing replica(s)"
         else:
             seen = (
                 f"{self.evidence.channel.value} checksum {self.evidence.value:.3g} > threshold "

@@ -56,6 +56,7 @@ from aegis_sdc.events import (
     Incident,
     RankIdentity,
     Site,
+    StateKind,
     Verdict,
     VerdictKind,
     VTask,
@@ -83,6 +84,8 @@ from aegis_sdc.sensors.attention import AttentionRecord, AttentionSensor
 from aegis_sdc.sensors.fingerprint import FingerprintChecks
 from aegis_sdc.sensors.gemm import CallRecord, GemmSensor, StepClock
 from aegis_sdc.sensors.sampling import Sampler
+from aegis_sdc.sensors.state_vote import StateVote, VoteCapture, VoteRecord
+from aegis_sdc.sensors.update_replay import UpdateCapture, UpdateReplay
 from aegis_sdc.store.sqlite import Store, rank_db_path
 from aegis_sdc.verify.verifier import Verifier
 
@@ -131,6 +134,8 @@ class GuardSummary:
     data_false_alarms: int = 0  # false alarms on unusual data: thresholds left alone
     checked_flops_fraction: float = 0.0  # of all GEMM FLOPs run while protected, the checked share
     attention_checked_flops_fraction: float = 0.0  # of the FLOPs of the attention calls the op takes
+    state_votes: int = 0  # replica state votes judged (sensors/state_vote.py)
+    update_replays: int = 0  # optimizer-update slices replayed (sensors/update_replay.py)
 
     @property
     def false_alarm_rate(self) -> float:
@@ -261,6 +266,7 @@ class Guard:
         self.step_recorder = StepRecorder(self.store, self.registry, self.injector, self.identity.rank)
         self.store.write_sites(self.registry.take_unwritten())
         self._handles = []
+        self.update_replay: UpdateReplay | None = None  # with an optimizer: its update replayed by slices
         if optimizer is not None:
             self.attach_optimizer(optimizer)
 
@@ -272,8 +278,15 @@ class Guard:
         self.outlier_warnings: list[OutlierWarning] = []
         self.comm_sites: dict[str, Site] = {}
         self.comm_checks = CommChecks(dist_cfg.comm_chunks, self._register_comm_site, self._comm_fault)
-        if dist_cfg.comm_check and isinstance(model, nn.parallel.DistributedDataParallel):
-            self.attach_ddp(model)
+        self.state_vote: StateVote | None = None  # under DDP: the replicas vote on their state
+        self._vote_record: VoteRecord | None = None  # this step's vote, until the exchange
+        self._state_sites: dict[tuple[str, StateKind], Site] = {}
+        self._vote_out_of_step_named = False
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            if dist_cfg.comm_check:
+                self.attach_ddp(model)
+            else:
+                self._enable_state_vote(model.module)
 
     # -- construction ----------------------------------------------------------------------------
     def _make_hooks(self, name: str, linear: nn.Linear) -> LinearHooks:
@@ -392,17 +405,31 @@ class Guard:
         a wrapper such as accelerate's `AcceleratedOptimizer` is unwrapped to the optimizer it steps)."""
         optimizer = unwrap_optimizer(optimizer)
         self.optimizer = optimizer
+        if self.config.update_replay.enabled:
+            inner = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
+            self.update_replay = UpdateReplay(inner, self.fingerprint_pool, self.config.update_replay.slices)
         self._handles.append(optimizer.register_step_pre_hook(self._optimizer_pre_step))
         self._handles.append(optimizer.register_step_post_hook(self._optimizer_post_step))
 
     def attach_ddp(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Check DDP's gradient all-reduces (a communication hook; done by `protect(ddp_model)`)."""
-        ddp.register_comm_hook(None, checked_allreduce_hook(self.comm_checks, ddp.process_group, CommKind.ALLREDUCE))
+        if self.config.distributed.comm_check:
+            hook = checked_allreduce_hook(self.comm_checks, ddp.process_group, CommKind.ALLREDUCE)
+            ddp.register_comm_hook(None, hook)
+        self._enable_state_vote(ddp.module)
+
+    def _enable_state_vote(self, module: nn.Module) -> None:
+        """DDP's replicas vote on their parameters and optimizer state (DistributedConfig.state_vote)."""
+        cfg = self.config.distributed
+        if cfg.state_vote and self.dist is not None and self.state_vote is None:
+            self.state_vote = StateVote(module, self.fingerprint_pool, param_slices=cfg.vote_param_slices,
+                                        state_slices=cfg.vote_state_slices)  # fmt: skip
 
     def attach_fsdp(self, model: nn.Module) -> int:
         """Check FSDP2's gradient reduce-scatters: call after `fully_shard`. Returns the modules hooked."""
         from torch.distributed.fsdp import FSDPModule
 
+        self.state_vote = None  # sharded parameters are no replicas (HSDP's replica groups: not voted yet)
         for sensor in self.sensors:
             sensor.copy_referenced = True  # FSDP2 frees unsharded weights before verification
         self.weight_sums.enabled = False  # and regathers them layer by layer: each weight's own sums
@@ -418,7 +445,8 @@ class Guard:
     def step(self) -> StepReport:
         """End the current step and start the next; for training loops that pass no optimizer. Call it
         after backward and before the weights change (see `protect`)."""
-        report = self.end_step()
+        self._require_open()
+        report = self._process(drain=False, vote=True)
         self._advance()
         return report
 
@@ -458,6 +486,8 @@ class Guard:
             data_false_alarms=sum(s.data_false_alarms for s in self.sensors),
             checked_flops_fraction=c["checked_flops"] / c["gemm_flops"] if c["gemm_flops"] else 0.0,
             attention_checked_flops_fraction=self._attention_checked_fraction(),
+            state_votes=self.state_vote.votes - self.state_vote.skipped_votes if self.state_vote else 0,
+            update_replays=self.update_replay.replays if self.update_replay else 0,
         )
 
     def _attention_checked_fraction(self) -> float:
@@ -490,6 +520,8 @@ class Guard:
         for module, reason in self.uncovered_attention.items():
             for kind in AttentionKind:
                 coverage["not_covered"][f"{module}:{kind.value}"] = reason
+        if self.update_replay is not None and self.update_replay.uncovered:
+            coverage["not_covered"][f"optimizer:{StateKind.OPTIMIZER_UPDATE.value}"] = self.update_replay.uncovered
         return coverage
 
     def close(self) -> GuardSummary:
@@ -638,8 +670,10 @@ class Guard:
         if self.gate.reapplying:
             return
         self._require_open()
+        if self.update_replay is not None:
+            self.update_replay.before(optimizer, self.clock.step, self.responder.dropped_updates)
         gated = self.config.gate_optimizer and gateable(optimizer, self._device)
-        collected = self._collect(gate=gated)
+        collected = self._collect(gate=gated, vote=True)
         if collected.nothing_to_judge():
             # A step without checks (unsampled, p = 0): nothing in it can hold the update back, so it
             # is concluded after the update is launched (any optimizer) — the GPU never idles behind
@@ -663,6 +697,8 @@ class Guard:
             report = self._conclude(collected, drain=False)  # may raise: the update stays held back
             if report.alarms:  # the gate held the update back; the verdicts let it through
                 self.gate.reapply(optimizer, args, kwargs)
+        if self.update_replay is not None:  # the update has run: replay its slice
+            self.update_replay.after(optimizer, self.responder.dropped_updates)
         self._advance()
 
     def _after_call(self) -> None:
@@ -681,11 +717,15 @@ class Guard:
         for listener in self._listeners:
             listener(event, payload)
 
-    def _process(self, *, drain: bool) -> StepReport:
-        return self._conclude(self._collect(gate=False), drain=drain)
+    def _process(self, *, drain: bool, vote: bool = False) -> StepReport:
+        return self._conclude(self._collect(gate=False, vote=vote), drain=drain)
 
-    def _collect(self, *, gate: bool) -> Collected:
-        """Take what the step recorded and start its evidence on the way to the host (nothing waits)."""
+    def _collect(self, *, gate: bool, vote: bool = False) -> Collected:
+        """Take what the step recorded and start its evidence on the way to the host (nothing waits).
+        `vote`: at a step's end, before its update — the replicas' state is fingerprinted here."""
+        if vote and self.state_vote is not None:
+            dropped = self.responder.dropped_updates
+            self._vote_record = self.state_vote.take(self.clock.step, self.optimizer, dropped)
         records = list(self.recorder)
         self.recorder.clear()
         for swap in self._swaps:  # compiled forwards whose backward never came (see ops/linear_op.py)
@@ -708,7 +748,7 @@ class Guard:
         self.host_wait_ms += (time.perf_counter() - started) * 1000.0
         evidence_of = self._judge(collected, synced, comm_values, report)
         if self.dist is not None and not drain:
-            self._exchange(collected.step, report)
+            self._exchange(collected.step, report, evidence_of)
         self._verify(report, evidence_of, drain=drain)
         self.counts["checks"] += report.checks
         self.counts["alarms"] += len(report.alarms)
@@ -725,12 +765,7 @@ class Guard:
         an alarm becomes a vTask in the report, with its evidence (by vTask id)."""
         report.checks = len(collected.records)
         evidence_of: dict[int, Evidence] = {}
-
-        def alarm(evidence: Evidence, payload: object) -> None:
-            task = VTask(self._next_vtask, evidence, payload)
-            self._next_vtask += 1
-            report.alarms.append(task)
-            evidence_of[task.id] = evidence
+        alarm = functools.partial(self._alarm, report, evidence_of)
 
         for record, stats in zip(collected.records, synced, strict=True):
             evidence = record.sensor.judge(record, stats)
@@ -751,6 +786,8 @@ class Guard:
             evidence = AttentionSensor.judge(record)
             if evidence is not None:
                 alarm(evidence, record.capture)
+        if self.update_replay is not None:
+            self._judge_updates(alarm)
         mismatched, not_deterministic = self.fingerprints.judge(collected.fp_records)
         self.counts["fingerprint_checks"] += len(collected.fp_records)
         for record in mismatched:
@@ -759,6 +796,23 @@ class Guard:
             self.counts["not_deterministic_calibration"] += 1
             report.events.append(("not_deterministic", f"{name}: not deterministic — not covered", self._site_id(name)))
         return evidence_of
+
+    def _judge_updates(self, alarm: Callable[[Evidence, object], None]) -> None:
+        """Optimizer-update replays whose fingerprints came with this read: a parameter whose training
+        update and replay differ raises a vTask (its verdict runs the update a third time)."""
+        for record in self.update_replay.take_resolved():
+            for index in record.mismatched():
+                site = self._state_site(record.inputs.names[index], StateKind.OPTIMIZER_UPDATE)
+                evidence = Evidence(site=site, step=record.step, call=0, channel=Channel.FINGERPRINT, value=1.0,
+                                    threshold=0.0, index=0, raw_l2=0.0, channels=(Channel.FINGERPRINT,))  # fmt: skip
+                alarm(evidence, UpdateCapture(record, index, self.fingerprint_pool))
+
+    def _alarm(self, report: StepReport, evidence_of: dict[int, Evidence], evidence: Evidence, payload: object) -> None:
+        """Evidence over its threshold becomes a vTask of the step, with its replay context."""
+        task = VTask(self._next_vtask, evidence, payload)
+        self._next_vtask += 1
+        report.alarms.append(task)
+        evidence_of[task.id] = evidence
 
     def _verify(self, report: StepReport, evidence_of: dict[int, Evidence], *, drain: bool) -> None:
         """Queue the step's alarms, replay what is due (all of it when draining), and act on each
@@ -829,16 +883,25 @@ class Guard:
                 warnings.warn(f"aegis-sdc: {message}", stacklevel=2)
                 report.events.append(("fault_unmatched", message, None))
 
-    def _exchange(self, step: int, report: StepReport) -> None:
+    def _exchange(self, step: int, report: StepReport, evidence_of: dict[int, Evidence]) -> None:
         """The step's one collective: per site, every data-parallel rank's largest normalized difference
-        (and per collective, how far its check was off), gathered on the exchange group."""
+        (and per collective, how far its check was off), and the replicas' state vote, gathered on the
+        exchange group (int64: the differences' float64 bits, then the vote's values)."""
         nan = float("nan")
         values = [max(s.step_stats.max_row, s.step_stats.max_col) if s.step_stats.checks else nan for s in self.sensors]
         comm = [nan] * COMM_SLOTS
         for index, value in self._comm_values.items():
             comm[index % COMM_SLOTS] = value
         self._comm_values = {}
-        gathered = self.dist.all_gather(torch.tensor(values + comm, dtype=torch.float64), step)
+        sent = torch.tensor(values + comm, dtype=torch.float64).view(torch.int64)
+        vote, self._vote_record = self._vote_record, None
+        if self.state_vote is not None:  # a fixed width on every rank, zeros when no vote was taken
+            width = self.state_vote.width
+            sent = torch.cat((sent, vote.values(width) if vote else torch.zeros(width, dtype=torch.int64)))
+        everyone = self.dist.all_gather(sent, step)
+        gathered = everyone[:, : len(values) + COMM_SLOTS].contiguous().view(torch.float64)
+        if vote is not None:
+            self._judge_vote(vote, everyone[:, len(values) + COMM_SLOTS :], report, evidence_of)
         n = len(self.sensors)
         if step >= self.config.distributed.warmup_steps:
             cfg = self.config.distributed
@@ -857,6 +920,36 @@ class Guard:
             if isinstance(task.payload, CommCapture):
                 task.payload.ranks_failed = failed.get(self._comm_slot[task.site.id], task.payload.ranks_failed)
                 task.payload.exchanged = True
+
+    def _judge_vote(self, vote: VoteRecord, gathered: torch.Tensor, report: StepReport,
+                    evidence_of: dict[int, Evidence]) -> None:  # fmt: skip
+        """The replicas' state vote of this step: a rank outside a majority raises a vTask against
+        itself; a disagreement no majority decides is raised once, by the lowest rank involved."""
+        findings = self.state_vote.judge(vote, gathered, self.dist.ranks)
+        if findings is None:
+            if not self._vote_out_of_step_named:
+                self._vote_out_of_step_named = True
+                why = "a skip-step policy dropped an update on some rank"
+                report.events.append(("vote_skipped", f"the replicas are out of step by design ({why}): the state "
+                                      "vote judges nothing", None))  # fmt: skip
+            return
+        me = self.identity.rank
+        for finding in findings:
+            if me not in finding.minority or (not finding.majority and me != min(finding.minority)):
+                continue
+            evidence = Evidence(
+                site=self._state_site(finding.param, finding.kind), step=finding.step, call=0, channel=Channel.VOTE,
+                value=float(len(finding.ranks) - len(finding.minority)) if finding.majority else 0.0,
+                threshold=0.0, index=0, raw_l2=0.0, channels=(Channel.VOTE,),
+            )  # fmt: skip
+            self._alarm(report, evidence_of, evidence, VoteCapture(finding))
+
+    def _state_site(self, param: str, kind: StateKind) -> Site:
+        """The site of a parameter's state (vote or update replay), registered at its first finding."""
+        site = self._state_sites.get((param, kind))
+        if site is None:
+            site = self._state_sites[(param, kind)] = self.registry.add(param, kind, "state")
+        return site
 
     def _record(self, report: StepReport) -> None:
         report.events.extend(self._pending_events)

@@ -57,6 +57,7 @@ class Responder:
         self.config = config
         self.quarantine_path = quarantine_path
         self._quarantined: set[tuple[str, str]] = set()
+        self.dropped_updates = 0  # updates `skip-step` dropped (the replica vote must know)
 
     def respond(self, incidents: Sequence[Incident], optimizer=None, unattributed: Sequence[Verdict] = ()) -> None:
         """Apply the policy to the step's incidents. Corruptions proven but pinned on no device
@@ -87,3 +88,4 @@ class Responder:
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     param.grad = None
+            self.dropped_updates += 1  # this replica now differs from its peers by design

@@ -1,0 +1,204 @@
+"""Optimizer-update replay: a slice of each step's update executed a second time from a snapshot of
+its inputs, the two results compared bit for bit.
+
+No GEMM check sees the optimizer step: element-wise kernels (fused or foreach AdamW, SGD) that
+read the gradients and the state and write the parameters and the state. Those kernels are
+deterministic, so the same update of the same inputs gives the same bits anywhere on the device.
+
+Before the update (the optimizer pre-hook) the parameters of this step's slice, their gradients and
+their optimizer state are copied (`inputs`); after it (the post-hook, once any held-back update has
+run) a second optimizer of the same class with the same group options — and GradScaler's
+`grad_scale` / `found_inf` where the step had them — updates a copy of those inputs, and both results
+are fingerprinted on the device (one value per parameter: its value and its state folded). The
+fingerprints come with the next step's read; a parameter whose two results differ is an SDC of this
+device's optimizer step, and a third execution from the untouched inputs says which one was wrong:
+it agrees with the replay → the training update was wrong (the weights now carry it); it agrees with
+the training update → the replay was.
+
+The slices cover every parameter every `slices` steps, balanced by bytes. The copies cost about
+`2 × (parameter + gradient + state bytes) / slices` of memory while a step's slice waits for its
+read. Covered: optimizers whose update of a parameter depends on that parameter's own gradient and
+state and on its group's options (every torch.optim optimizer but LBFGS); others are named once and
+left out. A step whose update `skip-step` dropped, and parameters without a gradient, are not
+compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from aegis_sdc.events import VerdictKind, WrongExecution
+from aegis_sdc.ops.fingerprint import Fingerprint, FingerprintPool
+from aegis_sdc.sensors.state_vote import fold
+
+SCALER_ATTRS = ("grad_scale", "found_inf")  # GradScaler hands fused optimizers these for the step
+
+
+@dataclass
+class UpdateInputs:
+    """One slice's update inputs as they were before the step: parameters, gradients, state."""
+
+    names: list[str]
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    states: list[dict]
+    groups: list[dict]  # each parameter's group options (without "params")
+    scaler: dict  # GradScaler's attributes on the optimizer during the step
+
+    def execute(self, kind: type[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], list[dict]]:
+        """The update once more, on copies (the inputs stay as they were): (parameters, states)."""
+        params = [p.clone() for p in self.params]
+        for param, grad in zip(params, self.grads, strict=True):
+            param.grad = grad.clone()
+        optimizer = kind([dict(group, params=[param]) for group, param in zip(self.groups, params, strict=True)])
+        for param, state in zip(params, self.states, strict=True):
+            optimizer.state[param] = _clone_state(state)
+        for name, value in self.scaler.items():
+            setattr(optimizer, name, value)
+        with torch.no_grad():
+            optimizer.step()
+        return params, [optimizer.state[p] for p in params]
+
+
+def _clone_state(state: dict) -> dict:
+    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+
+
+def _state_tensors(state: dict) -> list[torch.Tensor]:
+    return [state[key] for key in sorted(state) if isinstance(state[key], torch.Tensor)]
+
+
+@dataclass
+class UpdateRecord:
+    """A step's slice: the training update's results and the replay's, fingerprinted per parameter."""
+
+    step: int
+    inputs: UpdateInputs
+    kind: type[torch.optim.Optimizer]
+    trained: list[tuple[Fingerprint, ...]]
+    replayed: list[tuple[Fingerprint, ...]]
+
+    def resolved(self) -> bool:
+        return not any(h.pending for hs in self.trained + self.replayed for h in hs)
+
+    def mismatched(self) -> list[int]:
+        """Indices of the parameters whose two results differ (known values only)."""
+        out = []
+        for i, (a, b) in enumerate(zip(self.trained, self.replayed, strict=True)):
+            first, second = fold([h.value for h in a]), fold([h.value for h in b])
+            if first and second and first != second:
+                out.append(i)
+        return out
+
+
+class UpdateCapture:
+    """The payload of an update mismatch: the untouched inputs, for a third execution."""
+
+    references = ()  # the inputs are copies: nothing the optimizer changes
+
+    def __init__(self, record: UpdateRecord, index: int, pool: FingerprintPool) -> None:
+        inputs = record.inputs
+        self.name = inputs.names[index]
+        self.inputs = UpdateInputs([self.name], [inputs.params[index]], [inputs.grads[index]], [inputs.states[index]],
+                                   [inputs.groups[index]], inputs.scaler)  # fmt: skip
+        self.kind = record.kind
+        self.trained = fold([h.value for h in record.trained[index]])
+        self.replayed = fold([h.value for h in record.replayed[index]])
+        self.pool = pool
+
+    def verdict(self) -> tuple[VerdictKind, WrongExecution | None, str]:
+        params, states = self.inputs.execute(self.kind)
+        third = fold([self.pool.now(t) for t in [params[0], *_state_tensors(states[0])]])
+        what = f"the {self.kind.__name__} update of {self.name}"
+        if third == self.replayed:
+            return (VerdictKind.CONFIRMED_SDC, WrongExecution.ORIGINAL,
+                    f"{what} differs from two re-executions of it from the same inputs, which agree: the "
+                    "training update was wrong and the parameter (or its state) now carries it")  # fmt: skip
+        if third == self.trained:
+            return (VerdictKind.CONFIRMED_SDC, WrongExecution.REPLAY,
+                    f"{what}: its replay differed; a third execution agrees with the training update "
+                    "(the parameter is intact)")  # fmt: skip
+        return (VerdictKind.NOT_DETERMINISTIC, WrongExecution.UNSTABLE,
+                f"{what}: three executions from the same inputs differ — the optimizer is not deterministic "
+                "here: not covered")  # fmt: skip
+
+
+class UpdateReplay:
+    """The update replay of one optimizer (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, pool: FingerprintPool, slices: int) -> None:
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.pool = pool
+        self.slices = slices
+        self._slices: list[list[torch.Tensor]] | None = None
+        self._inputs: UpdateInputs | None = None
+        self._step = -1
+        self.records: list[UpdateRecord] = []  # replayed, waiting for their fingerprints
+        self.replays = 0
+        self.uncovered: str | None = None  # why the optimizer cannot be replayed, once known
+
+    def _slice_of(self, optimizer: torch.optim.Optimizer, step: int) -> list[torch.Tensor]:
+        if self._slices is None:  # balanced by bytes, largest first: the same slices every cycle
+            params = [p for g in optimizer.param_groups for p in g["params"] if id(p) in self.names]
+            slices: list[list[torch.Tensor]] = [[] for _ in range(self.slices)]
+            loads = [0] * self.slices
+            for p in sorted(params, key=lambda p: -p.numel() * p.element_size()):
+                lightest = loads.index(min(loads))
+                slices[lightest].append(p)
+                loads[lightest] += p.numel() * p.element_size()
+            self._slices = slices
+        return self._slices[step % self.slices]
+
+    def before(self, optimizer: torch.optim.Optimizer, step: int, dropped_updates: int) -> None:
+        """Copy the inputs of this step's slice (the update is still to come)."""
+        self._inputs = None
+        if self.uncovered is not None:
+            return
+        if isinstance(optimizer, torch.optim.LBFGS):
+            self.uncovered = "LBFGS re-evaluates the model inside its step"
+            return
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        chosen = [p for p in self._slice_of(optimizer, step) if p.grad is not None and id(p) in group_of]
+        if not chosen:
+            return
+        self._inputs = UpdateInputs(
+            names=[self.names[id(p)] for p in chosen],
+            params=[p.detach().clone() for p in chosen],
+            grads=[p.grad.detach().clone() for p in chosen],
+            states=[_clone_state(optimizer.state.get(p, {})) for p in chosen],
+            groups=[{k: v for k, v in group_of[id(p)].items() if k != "params"} for p in chosen],
+            scaler={name: getattr(optimizer, name) for name in SCALER_ATTRS if hasattr(optimizer, name)},
+        )
+        self._chosen = chosen
+        self._step, self._dropped = step, dropped_updates
+
+    def after(self, optimizer: torch.optim.Optimizer, dropped_updates: int) -> None:
+        """Once the step's update has run: replay the slice and fingerprint both results."""
+        inputs, self._inputs = self._inputs, None
+        if inputs is None or dropped_updates != self._dropped:
+            return  # nothing copied, or `skip-step` dropped the update the inputs were for
+        try:
+            params, states = inputs.execute(type(optimizer))
+        except (TypeError, ValueError, RuntimeError) as error:  # an optimizer that cannot be rebuilt
+            self.uncovered = f"{type(optimizer).__name__} could not be replayed: {error}"
+            return
+        trained = [[p.detach(), *_state_tensors(optimizer.state.get(p, {}))] for p in self._chosen]
+        replayed = [[p, *_state_tensors(s)] for p, s in zip(params, states, strict=True)]
+        flat = self.pool.take_many([t for ts in trained + replayed for t in ts])
+        handles, start = [], 0
+        for ts in trained + replayed:
+            handles.append(tuple(flat[start : start + len(ts)]))
+            start += len(ts)
+        n = len(trained)
+        self.records.append(UpdateRecord(self._step, inputs, type(optimizer), handles[:n], handles[n:]))
+        self.replays += 1
+        self._chosen = []
+
+    def take_resolved(self) -> list[UpdateRecord]:
+        """The records whose fingerprints have come (the step's read resolves them)."""
+        done = [r for r in self.records if r.resolved()]
+        self.records = [r for r in self.records if not r.resolved()]
+        return done

@@ -1,0 +1,290 @@
+"""Sensors of the state no GEMM check sees: the replicas' vote on parameters and optimizer state.
+
+The vote's decision rule on gathered values, then data-parallel training on 2 and 3 gloo processes
+with the fault families of the public fault kits injected into one rank's state between steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests import dist_workers
+from tests.test_distributed import run_workers
+
+from aegis_sdc.events import StateKind, VerdictKind, WrongExecution
+from aegis_sdc.ops.fingerprint import FingerprintPool
+from aegis_sdc.sensors.state_vote import StateVote, VoteColumn, VoteRecord, fold
+from aegis_sdc.store.sqlite import read_incidents, read_unattributed
+
+# -- the decision rule ------------------------------------------------------------------------------
+
+
+def _vote(names: list[str]) -> tuple[StateVote, VoteRecord]:
+    model = torch.nn.Module()
+    for name in names:
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros(4)))
+    vote = StateVote(model, FingerprintPool(), param_slices=1, state_slices=len(names))
+    columns = [VoteColumn(name, StateKind.PARAM, ()) for name in names]
+    return vote, VoteRecord(7, columns, dropped_updates=0)
+
+
+def _gathered(rows: list[list[int]]) -> torch.Tensor:
+    """int64 [ranks, columns + 1]: each rank's values and a dropped-update count of 0."""
+    return torch.tensor([[*row, 0] for row in rows], dtype=torch.int64)
+
+
+def test_a_majority_names_the_ranks_outside_it():
+    vote, record = _vote(["a", "b"])
+    (finding,) = vote.judge(record, _gathered([[5, 9], [5, 9], [6, 9], [5, 9]]), [0, 1, 2, 3])
+    assert (finding.param, finding.step, finding.minority, finding.majority) == ("a", 7, (2,), True)
+
+
+def test_two_replicas_that_differ_are_a_pair_and_nobody_is_named():
+    vote, record = _vote(["a"])
+    (finding,) = vote.judge(record, _gathered([[5], [6]]), [0, 1])
+    assert (finding.minority, finding.majority) == ((0, 1), False)
+    # an even split of four is no majority either
+    vote, record = _vote(["a"])
+    (finding,) = vote.judge(record, _gathered([[5], [5], [6], [6]]), [0, 1, 2, 3])
+    assert (finding.minority, finding.majority) == ((0, 1, 2, 3), False)
+
+
+def test_unknown_values_are_not_compared():
+    vote, record = _vote(["a"])
+    assert vote.judge(record, _gathered([[5], [0], [5]]), [0, 1, 2]) == []
+
+
+def test_a_divergence_is_raised_once_and_again_when_its_ranks_change():
+    vote, record = _vote(["a"])
+    assert len(vote.judge(record, _gathered([[5], [6], [5]]), [0, 1, 2])) == 1
+    assert vote.judge(record, _gathered([[7], [8], [7]]), [0, 1, 2]) == []  # rank 1 still differs
+    (finding,) = vote.judge(record, _gathered([[7], [8], [8]]), [0, 1, 2])  # now rank 0 does
+    assert finding.minority == (0,)
+    assert vote.judge(record, _gathered([[9], [9], [9]]), [0, 1, 2]) == []  # agreement forgets it
+    assert len(vote.judge(record, _gathered([[9], [9], [3]]), [0, 1, 2])) == 1
+
+
+def test_replicas_out_of_step_by_design_are_not_judged():
+    vote, record = _vote(["a"])
+    gathered = torch.tensor([[5, 0], [6, 1], [5, 0]], dtype=torch.int64)  # rank 1 dropped an update
+    assert vote.judge(record, gathered, [0, 1, 2]) is None
+    assert vote.skipped_votes == 1
+
+
+def test_folded_state_fingerprints_keep_every_tensor_and_its_order():
+    assert fold([1, 2]) != fold([2, 1])
+    assert fold([1, 2]) != fold([1, 3])
+    assert fold([]) == 0 and fold([1, None]) == 0  # nothing (or not everything) known: not compared
+    assert fold([0]) != 0
+
+
+def test_a_vote_fingerprints_parameters_and_a_rotating_slice_of_the_state():
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    vote = StateVote(model, FingerprintPool(), param_slices=1, state_slices=2)
+    first, second = vote.take(0, optimizer, 0), vote.take(1, optimizer, 0)
+    assert [(c.param, c.kind) for c in first.columns] == [
+        ("weight", StateKind.PARAM), ("bias", StateKind.PARAM), ("weight", StateKind.OPTIMIZER_STATE)
+    ]  # fmt: skip
+    assert [c.param for c in second.columns[2:]] == ["bias"]
+    assert len(first.columns[2].handles) == 3  # exp_avg, exp_avg_sq, step
+    assert first.values(vote.width).shape == (vote.width,)
+    assert first.columns[0].value() != 0
+    before = second.columns[2].value()
+    with torch.no_grad():
+        optimizer.state[model.bias]["exp_avg"][0] *= -1
+    assert vote.take(1, optimizer, 0).columns[2].value() != before
+
+
+# -- data-parallel training with a fault in one rank's state ------------------------------------------
+
+P = "layers.0.{}.weight"
+# (step, rank at 3 ranks, fault): sign, exponent and mantissa bit flips in weights, a scaled row, a
+# stale weight (a missed update), a sign flip in Adam's first moment, the second moment × 100
+FAULTS = [
+    {"step": 3, "rank": 1, "param": P.format("attn.wq"), "kind": "bit", "bit": 31},
+    {"step": 5, "rank": 2, "param": P.format("attn.wk"), "kind": "bit", "bit": 25, "index": 3},
+    {"step": 7, "rank": 0, "param": P.format("attn.wv"), "kind": "bit", "bit": 12, "index": 5},
+    {"step": 9, "rank": 1, "param": P.format("mlp.up_proj"), "kind": "row", "row": 3, "factor": 10.0},
+    {"step": 11, "rank": 2, "param": P.format("mlp.down_proj"), "kind": "stale"},
+    {"step": 13, "rank": 0, "param": P.format("mlp.gate_proj"), "state": "exp_avg", "kind": "bit", "bit": 31},
+    {"step": 15, "rank": 1, "param": P.format("attn.wo"), "state": "exp_avg_sq", "kind": "scale", "factor": 100.0},
+]
+# what each fault is found as: the tensor at the vote of its step; a corrupted moment also changes its
+# parameter's update, so the parameter differs from the next step on (the state is voted in two
+# slices here: gate_proj's and wo's at odd steps)
+FOUND = {
+    (P.format("attn.wq") + ":param", 3), (P.format("attn.wk") + ":param", 5), (P.format("attn.wv") + ":param", 7),
+    (P.format("mlp.up_proj") + ":param", 9), (P.format("mlp.down_proj") + ":param", 11),
+    (P.format("mlp.gate_proj") + ":optimizer_state", 13), (P.format("mlp.gate_proj") + ":param", 14),
+    (P.format("attn.wo") + ":optimizer_state", 15), (P.format("attn.wo") + ":param", 16),
+}  # fmt: skip
+RANK_OF = {fault["param"]: fault["rank"] for fault in FAULTS}
+VOTE = {"vote_state_slices": 2}
+
+
+@pytest.mark.slow
+def test_three_replicas_name_the_rank_whose_state_was_corrupted(tmp_path):
+    options = {"steps": 18, "replica_faults": FAULTS, "distributed": VOTE}
+    results = run_workers(dist_workers.guarded_training, 3, tmp_path, options)
+    incidents = {(i["site"], i["step"], i["rank"]) for r in results for i in r["incidents"]}
+    assert incidents == {(site, step, RANK_OF[site.split(":")[0]]) for site, step in FOUND}
+    for r in results:
+        assert r["summary"]["unattributed"] == 0
+        assert r["state_votes"] == 18
+        assert {w["rank"] for w in r["warnings"]} <= {None, *RANK_OF.values()}
+    stored = {(i["site"], i["step"], i["rank"]) for i in read_incidents(tmp_path / "run")}
+    assert stored == incidents
+
+
+@pytest.mark.slow
+def test_two_replicas_prove_the_corruption_and_name_no_rank(tmp_path):
+    faults = [dict(fault, rank=1) for fault in FAULTS]
+    options = {"steps": 18, "replica_faults": faults, "distributed": VOTE}
+    results = run_workers(dist_workers.guarded_training, 2, tmp_path, options)
+    assert all(r["incidents"] == [] for r in results)  # never a guess: not rank 1, not the healthy rank 0
+    proven = {(v["site"], v["step"]) for v in results[0]["verdicts"] if v["kind"] == "unattributed_sdc"}
+    assert proven == FOUND  # raised once, by the lowest rank of the pair
+    assert all("ranks [0, 1]" in v["detail"] for v in results[0]["verdicts"] if v["kind"] == "unattributed_sdc")
+    assert not [v for v in results[1]["verdicts"] if v["kind"] == "unattributed_sdc"]
+    assert {(u["site"], u["step"]) for u in read_unattributed(tmp_path / "run")} == FOUND
+
+
+@pytest.mark.slow
+def test_clean_replicas_with_a_slow_rank_raise_nothing(tmp_path):
+    options = {"steps": 10, "delay": {"rank": 1, "every": 3, "seconds": 1.0}, "distributed": VOTE}
+    results = run_workers(dist_workers.guarded_training, 3, tmp_path, options)
+    for r in results:
+        assert r["incidents"] == [] and r["summary"]["unattributed"] == 0
+        assert r["summary"]["confirmed"] == 0 and r["state_votes"] == 10
+
+
+# -- the optimizer-update replay (one process) -------------------------------------------------------
+
+TARGET = "layers.0.mlp.up_proj.weight"
+
+
+def _replayed_training(tmp_path, optimizer_of, steps: int, slices: int = 1, before_guard=None, **config):
+    """SMALL Llama trained `steps` steps under a guard whose update replay covers `slices` slices;
+    `before_guard(model, optimizer)` registers hooks that run before the guard's."""
+    from tests.helpers import guard_config, small_workload, train
+
+    import aegis_sdc as aegis
+
+    model, data, _ = small_workload()
+    optimizer = optimizer_of(model.parameters())
+    if before_guard is not None:
+        before_guard(model, optimizer)
+    cfg = guard_config(tmp_path, update_replay=aegis.UpdateReplayConfig(slices=slices), **config)
+    verdicts = []
+    with aegis.protect(model, optimizer=optimizer, config=cfg) as guard:
+        guard.subscribe(lambda event, payload: verdicts.append(payload) if event == "verdict" else None)
+        train(model, data, optimizer, steps)
+    return guard, verdicts
+
+
+@pytest.mark.parametrize(
+    "optimizer_of",
+    [
+        lambda params: torch.optim.AdamW(params, lr=3e-3),
+        lambda params: torch.optim.AdamW(params, lr=3e-3, foreach=True, amsgrad=True),
+        lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True),
+        lambda params: torch.optim.Adafactor(params, lr=1e-2),
+    ],
+    ids=["adamw", "adamw-foreach-amsgrad", "sgd-nesterov", "adafactor"],
+)
+def test_clean_updates_replay_bit_for_bit(tmp_path, optimizer_of):
+    guard, verdicts = _replayed_training(tmp_path, optimizer_of, steps=6, slices=2)
+    summary = guard.summary()
+    assert summary.update_replays == 6 and summary.confirmed == 0
+    assert not [v for v in verdicts if v.site.kind is StateKind.OPTIMIZER_UPDATE]
+
+
+def _flip_after_update(step: int):
+    """An optimizer post-hook, registered before the guard's: at `step`, one bit of an element the
+    update just wrote flips — an update computed wrong."""
+
+    def install(model, optimizer):
+        param = dict(model.named_parameters())[TARGET]
+        calls = {"n": 0}
+
+        def flip(opt, args, kwargs):
+            if calls["n"] == step:
+                with torch.no_grad():
+                    param.view(-1)[7:8].view(torch.int32).bitwise_xor_(1 << 20)
+            calls["n"] += 1
+
+        optimizer.register_step_post_hook(flip)
+
+    return install
+
+
+def test_a_wrong_update_is_confirmed_on_its_parameter_and_step(tmp_path):
+    guard, verdicts = _replayed_training(tmp_path, lambda p: torch.optim.AdamW(p, lr=3e-3), steps=6,
+                                         before_guard=_flip_after_update(3))  # fmt: skip
+    (incident,) = guard.incidents
+    assert (incident.site.name, incident.step) == (f"{TARGET}:optimizer_update", 3)
+    assert incident.verdict.wrong_execution is WrongExecution.ORIGINAL  # the weights carry it
+    assert [v.kind for v in verdicts if v.site.kind is StateKind.OPTIMIZER_UPDATE] == [VerdictKind.CONFIRMED_SDC]
+    assert [(i["site"], i["step"]) for i in read_incidents(tmp_path / "run")] == [(incident.site.name, 3)]
+
+
+def test_a_wrong_replay_is_confirmed_and_the_weights_are_intact(tmp_path, monkeypatch):
+    from aegis_sdc.sensors import update_replay
+
+    execute = update_replay.UpdateInputs.execute
+    calls = {"n": 0}
+
+    def once_wrong(self, kind):
+        params, states = execute(self, kind)
+        calls["n"] += 1
+        if calls["n"] == 3 and TARGET in self.names:  # the replay of step 2 (slices=1: every step's)
+            with torch.no_grad():
+                params[self.names.index(TARGET)].view(-1)[0:1].view(torch.int32).bitwise_xor_(1 << 4)
+        return params, states
+
+    monkeypatch.setattr(update_replay.UpdateInputs, "execute", once_wrong)
+    guard, _ = _replayed_training(tmp_path, lambda p: torch.optim.AdamW(p, lr=3e-3), steps=5)
+    (incident,) = guard.incidents
+    assert (incident.site.name, incident.step) == (f"{TARGET}:optimizer_update", 2)
+    assert incident.verdict.wrong_execution is WrongExecution.REPLAY
+
+
+def test_an_update_dropped_by_skip_step_is_not_compared(tmp_path):
+    import aegis_sdc as aegis
+
+    fault = aegis.FaultSpec(site="layers.0.attn.wq:fwd", model="bitflip", bit=30, steps=(3,))
+    guard, verdicts = _replayed_training(
+        tmp_path, lambda p: torch.optim.AdamW(p, lr=3e-3), steps=6, faults=(fault,),
+        response=aegis.ResponseConfig(policy="skip-step", quarantine=False),
+    )  # fmt: skip
+    assert [(i.site.name, i.step) for i in guard.incidents] == [("layers.0.attn.wq:fwd", 3)]
+    assert not [v for v in verdicts if v.site.kind is StateKind.OPTIMIZER_UPDATE]
+    assert guard.summary().update_replays == 5  # step 3's update was dropped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_and_foreach_adamw_with_a_grad_scaler_replay_bit_for_bit_on_the_gpu(tmp_path, fused):
+    from tests.helpers import guard_config, lm_loss, small_workload
+
+    import aegis_sdc as aegis
+
+    model, data, _ = small_workload()
+    model = model.cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused, foreach=not fused)
+    scaler = torch.amp.GradScaler("cuda")
+    cfg = guard_config(tmp_path, update_replay=aegis.UpdateReplayConfig(slices=3))
+    with aegis.protect(model, optimizer=optimizer, config=cfg) as guard:
+        for _ in range(8):
+            inputs, targets = (t.cuda() for t in data.batch())
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = lm_loss(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    summary = guard.summary()
+    assert summary.update_replays == 8 and summary.confirmed == 0
