@@ -23,6 +23,7 @@
 #                 GEMM's small-shape tests on CUDA
 #   gluon-probe   a ping-pong warp-specialized GEMM in Gluon: three tiles; the row check's partials, then its side too
 #                 (results/gluon_pingpong_probe.json)
+#   state-sensors the state sensors' GPU tests, then their cost in the 1.1B step (results/state_sensors.json)
 #   tile-check    the tile-local row check probe (results/gemm_tile_check.json)
 #   cutlass-probe CUTLASS's CuTe DSL Hopper GEMM beside ours (results/cutlass_probe.json). Needs, carried in
 #                 the ignored folder .dsl/: dsl.tar.xz (nvidia-cutlass-dsl[cu13] unpacked for the device's
@@ -116,6 +117,12 @@ case "${1:-tests-1}" in
     timeout 400 python benchmarks/gluon_pingpong_probe.py --out benchmarks/results/gluon_pingpong_probe.json 2>&1 \
       | grep -v Warn | tee "$out/gluon_pingpong_probe.log" | tail -12
     cp benchmarks/results/gluon_pingpong_probe.json "$out/" ;;
+  state-sensors)
+    timeout 120 python -m pytest -q -m gpu tests/test_state_sensors.py -p no:cacheprovider 2>&1 \
+      | tee "$out/state_sensors_tests.log" | tail -5
+    timeout 420 python benchmarks/state_sensors.py --out benchmarks/results/state_sensors.json 2>&1 | grep -v Warn \
+      | tee "$out/state_sensors.log" | tail -12
+    cp benchmarks/results/state_sensors.json "$out/" 2>/dev/null ;;
   tile-check)
     timeout 400 python benchmarks/gemm_tile_check.py --out benchmarks/results/gemm_tile_check.json 2>&1 \
       | tee "$out/gemm_tile_check.log" | tail -25
@@ -140,5 +147,5 @@ case "${1:-tests-1}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|evidence|diagnose|evidence-parts|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|gluon-probe|cutlass-probe|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|evidence|diagnose|evidence-parts|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|gluon-probe|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

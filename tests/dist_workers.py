@@ -17,7 +17,7 @@ from tests.helpers import SMALL, train
 
 import aegis_sdc as aegis
 from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
-from aegis_sdc.workloads.llama import Llama
+from aegis_sdc.workloads.llama import Llama, lm_loss
 
 CFG = SMALL
 
@@ -92,9 +92,11 @@ def corrupt_replica(model, optimizer, spec: dict, snapshots: dict) -> None:
             raise ValueError(f"unknown corruption kind {kind!r}")
 
 
-def train_with_faults(model, data, optimizer, steps: int, rank: int, faults: list[dict], delay: dict | None) -> list:
+def train_with_faults(model, data, optimizer, steps: int, rank: int, faults: list[dict], delay: dict | None,
+                      guard=None) -> list:  # fmt: skip
     """`train` one step at a time: this rank's faults of `corrupt_replica` land before their step's
-    forward; `delay` ({"rank", "every", "seconds"}) makes a rank slow."""
+    forward; `delay` ({"rank", "every", "seconds"}) makes a rank slow; with `guard`, the loss is
+    computed through `guard.run_batch` (`train_through_guard`)."""
     params = dict(model.named_parameters())
     losses, snapshots = [], {}
     for step in range(steps):
@@ -108,7 +110,67 @@ def train_with_faults(model, data, optimizer, steps: int, rank: int, faults: lis
                 corrupt_replica(model, optimizer, spec, snapshots)
         if delay and delay["rank"] == rank and step % delay["every"] == 0:
             time.sleep(delay["seconds"])
-        losses += train(model, data, optimizer, 1)
+        losses += train(model, data, optimizer, 1) if guard is None else train_through_guard(guard, data, optimizer, 1)
+    return losses
+
+
+def install_step_faults(guard, model, rank: int, specs: list[dict]) -> None:
+    """Faults between the checked ops, for the peer replay, on this rank at one step each (the
+    training's forward or backward only — the first at that step — never a replay's): kind "output"
+    (a module's output block × `factor`), "output_sign" (its first rows negated), "grad" (a
+    parameter's local gradient before the all-reduce: `mode` "noise", "bit" or "row")."""
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
+    for spec in (s for s in specs if s["rank"] == rank):
+        fired = {"done": False}
+
+        def due(spec=spec, fired=fired) -> bool:
+            if guard.step_number != spec["step"] or fired["done"]:
+                return False
+            fired["done"] = True
+            return True
+
+        if spec["kind"] in ("output", "output_sign"):
+
+            def corrupt_output(module, args, output, spec=spec, due=due):
+                if not due():
+                    return output
+                output = output.clone()
+                if spec["kind"] == "output":
+                    output[..., :8] *= spec.get("factor", 10.0)
+                else:
+                    output[:1] = -output[:1]
+                return output
+
+            modules[spec["module"]].register_forward_hook(corrupt_output)
+        elif spec["kind"] == "grad":
+
+            def corrupt_grad(grad, spec=spec, due=due):
+                if not due():
+                    return grad
+                grad = grad.clone()
+                if spec["mode"] == "noise":
+                    grad += 1e-3 * torch.randn_like(grad)
+                elif spec["mode"] == "bit":
+                    grad.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 22)
+                else:
+                    grad[0] *= 100.0
+                return grad
+
+            params[spec["param"]].register_hook(corrupt_grad)
+        else:
+            raise ValueError(f"unknown step fault {spec['kind']!r}")
+
+
+def train_through_guard(guard, data, optimizer, steps: int) -> list[float]:
+    """`train`, the loss computed through `guard.run_batch` (so that peers can recompute it)."""
+    losses = []
+    for _ in range(steps):
+        inputs, targets = data.batch()
+        loss = guard.run_batch(lambda module, batch: lm_loss(module(batch[0]), batch[1]), (inputs, targets))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
     return losses
 
 
@@ -117,6 +179,7 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
     device = init(rank, world, port)
     parallel = options.get("parallel", "ddp")
     model, data = workload(rank, device)
+    raw_model = model
     faults = tuple(aegis.FaultSpec(**spec) for spec in options.get("faults", ()))
     config = aegis.GuardConfig(
         run_dir=os.path.join(out, "run"),
@@ -165,7 +228,11 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
         started = time.monotonic()
         corruption = options.get("corrupt")
         try:
-            if options.get("replica_faults") is not None or options.get("delay") is not None:
+            if options.get("peer"):
+                install_step_faults(guard, raw_model, rank, options.get("step_faults", []))
+                faults, delay, steps = options.get("replica_faults", []), options.get("delay"), options.get("steps", 24)
+                result["losses"] = train_with_faults(model, data, optimizer, steps, rank, faults, delay, guard)
+            elif options.get("replica_faults") is not None or options.get("delay") is not None:
                 faults, delay, steps = options.get("replica_faults", []), options.get("delay"), options.get("steps", 24)
                 result["losses"] = train_with_faults(model, data, optimizer, steps, rank, faults, delay)
             elif corruption is not None:  # train to the corruption step, corrupt this rank's state, go on
@@ -190,6 +257,7 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
                 {"site": v.site.name, "step": v.step, "kind": v.kind.value, "detail": v.detail} for v in verdicts
             ]
             result["state_votes"] = guard.state_vote.votes if guard.state_vote is not None else 0
+            result["peer_replays"] = guard.peer_replay.replays if guard.peer_replay is not None else 0
             result["checks_per_step"] = [s.step_stats.checks for s in guard.sensors]
             result["relaxations"] = sum(s.row.relaxations + s.col.relaxations for s in guard.sensors)
             if "exchange_error" not in result:

@@ -11,7 +11,7 @@ from tests import dist_workers
 from tests.test_distributed import run_workers
 
 from aegis_sdc.events import StateKind, VerdictKind, WrongExecution
-from aegis_sdc.ops.fingerprint import FingerprintPool
+from aegis_sdc.kernels import fingerprint as kfp
 from aegis_sdc.sensors.state_vote import StateVote, VoteColumn, VoteRecord, fold
 from aegis_sdc.store.sqlite import read_incidents, read_unattributed
 
@@ -22,9 +22,9 @@ def _vote(names: list[str]) -> tuple[StateVote, VoteRecord]:
     model = torch.nn.Module()
     for name in names:
         model.register_parameter(name, torch.nn.Parameter(torch.zeros(4)))
-    vote = StateVote(model, FingerprintPool(), param_slices=1, state_slices=len(names))
+    vote = StateVote(model, torch.device("cpu"), param_slices=1, state_slices=len(names))
     columns = [VoteColumn(name, StateKind.PARAM, ()) for name in names]
-    return vote, VoteRecord(7, columns, dropped_updates=0)
+    return vote, VoteRecord(7, columns, 0, torch.zeros(0), [])
 
 
 def _gathered(rows: list[list[int]]) -> torch.Tensor:
@@ -82,19 +82,24 @@ def test_a_vote_fingerprints_parameters_and_a_rotating_slice_of_the_state():
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    vote = StateVote(model, FingerprintPool(), param_slices=1, state_slices=2)
+    vote = StateVote(model, torch.device("cpu"), param_slices=1, state_slices=2)
+
+    def values(record: VoteRecord) -> list[int]:
+        record.resolve(record.buffer.clone())  # what the step's read brings
+        return record.values(vote.width).tolist()
+
     first, second = vote.take(0, optimizer, 0), vote.take(1, optimizer, 0)
     assert [(c.param, c.kind) for c in first.columns] == [
         ("weight", StateKind.PARAM), ("bias", StateKind.PARAM), ("weight", StateKind.OPTIMIZER_STATE)
     ]  # fmt: skip
     assert [c.param for c in second.columns[2:]] == ["bias"]
-    assert len(first.columns[2].handles) == 3  # exp_avg, exp_avg_sq, step
-    assert first.values(vote.width).shape == (vote.width,)
-    assert first.columns[0].value() != 0
-    before = second.columns[2].value()
+    assert len(first.columns[2].rows) == 3  # exp_avg, exp_avg_sq, step
+    assert len(values(first)) == vote.width and values(first)[-1] == 0  # the dropped-update count last
+    assert values(first)[0] == kfp.signed64(fold([kfp.fingerprint_reference(model.weight)]))
+    before = values(second)[2]
     with torch.no_grad():
         optimizer.state[model.bias]["exp_avg"][0] *= -1
-    assert vote.take(1, optimizer, 0).columns[2].value() != before
+    assert vote.take(1, optimizer, 0) and values(vote.take(1, optimizer, 0))[2] != before
 
 
 # -- data-parallel training with a fault in one rank's state ------------------------------------------
@@ -151,15 +156,6 @@ def test_two_replicas_prove_the_corruption_and_name_no_rank(tmp_path):
     assert {(u["site"], u["step"]) for u in read_unattributed(tmp_path / "run")} == FOUND
 
 
-@pytest.mark.slow
-def test_clean_replicas_with_a_slow_rank_raise_nothing(tmp_path):
-    options = {"steps": 10, "delay": {"rank": 1, "every": 3, "seconds": 1.0}, "distributed": VOTE}
-    results = run_workers(dist_workers.guarded_training, 3, tmp_path, options)
-    for r in results:
-        assert r["incidents"] == [] and r["summary"]["unattributed"] == 0
-        assert r["summary"]["confirmed"] == 0 and r["state_votes"] == 10
-
-
 # -- the optimizer-update replay (one process) -------------------------------------------------------
 
 TARGET = "layers.0.mlp.up_proj.weight"
@@ -176,7 +172,7 @@ def _replayed_training(tmp_path, optimizer_of, steps: int, slices: int = 1, befo
     optimizer = optimizer_of(model.parameters())
     if before_guard is not None:
         before_guard(model, optimizer)
-    cfg = guard_config(tmp_path, update_replay=aegis.UpdateReplayConfig(slices=slices), **config)
+    cfg = guard_config(tmp_path, update_replay=aegis.UpdateReplayConfig(slices=slices, every=1), **config)
     verdicts = []
     with aegis.protect(model, optimizer=optimizer, config=cfg) as guard:
         guard.subscribe(lambda event, payload: verdicts.append(payload) if event == "verdict" else None)
@@ -276,7 +272,7 @@ def test_fused_and_foreach_adamw_with_a_grad_scaler_replay_bit_for_bit_on_the_gp
     model = model.cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused, foreach=not fused)
     scaler = torch.amp.GradScaler("cuda")
-    cfg = guard_config(tmp_path, update_replay=aegis.UpdateReplayConfig(slices=3))
+    cfg = guard_config(tmp_path, update_replay=aegis.UpdateReplayConfig(slices=3, every=1))
     with aegis.protect(model, optimizer=optimizer, config=cfg) as guard:
         for _ in range(8):
             inputs, targets = (t.cuda() for t in data.batch())
@@ -288,3 +284,66 @@ def test_fused_and_foreach_adamw_with_a_grad_scaler_replay_bit_for_bit_on_the_gp
             scaler.update()
     summary = guard.summary()
     assert summary.update_replays == 8 and summary.confirmed == 0
+
+
+# -- peer replay of a step (2 and 3 gloo processes) ----------------------------------------------------
+
+PEER = {"peer_replay_period": 2, "vote_state_slices": 2}
+# corruption between the checked ops, each at a replay step (even) on one rank: a module's output × 10,
+# a sign flip in a Linear's output, a local gradient before the all-reduce with noise, a bit flip, a
+# row × 100
+STEP_FAULTS = [
+    {"step": 2, "rank": 1, "kind": "output", "module": "layers.0.mlp", "factor": 10.0},
+    {"step": 4, "rank": 2, "kind": "output_sign", "module": "layers.0.attn.wo"},
+    {"step": 6, "rank": 0, "kind": "grad", "param": P.format("mlp.down_proj"), "mode": "noise"},
+    {"step": 8, "rank": 1, "kind": "grad", "param": P.format("attn.wq"), "mode": "bit"},
+    {"step": 10, "rank": 2, "kind": "grad", "param": "lm_head.weight", "mode": "row"},
+]
+
+
+def _peer_verdicts(results: list[dict]) -> list[tuple]:
+    return sorted((v["step"], r["rank"], v["kind"]) for r in results for v in r["verdicts"]
+                  if v["site"] == "model:peer_replay")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_peer_replay_names_the_rank_whose_step_went_wrong_between_the_checks(world, tmp_path):
+    faults = [dict(f, rank=f["rank"] % world) for f in STEP_FAULTS]
+    options = {"steps": 12, "peer": True, "step_faults": faults, "distributed": PEER}
+    results = run_workers(dist_workers.guarded_training, world, tmp_path, options)
+    # each fault fired once, in the training step: the replaying peer and a third execution (by another
+    # peer, or with two ranks by the rank itself) agree, so the rank is named even with two ranks
+    expected = sorted((f["step"], f["rank"], "confirmed_sdc") for f in faults)
+    assert _peer_verdicts(results) == expected
+    incidents = sorted((i["step"], i["rank"]) for r in results for i in r["incidents"]
+                       if i["site"] == "model:peer_replay")  # fmt: skip
+    assert incidents == [(step, rank) for step, rank, _ in expected]
+    for r in results:
+        assert r["peer_replays"] == 6
+        assert {i["rank"] for i in r["incidents"]} <= {f["rank"] for f in faults}
+
+
+@pytest.mark.slow
+def test_a_weight_corrupted_at_rest_makes_a_pair_of_two_replicas_and_is_named_among_three(tmp_path):
+    fault = {"step": 4, "rank": 1, "param": P.format("attn.wv"), "kind": "row", "row": 2, "factor": 10.0}
+    for world in (2, 3):
+        options = {"steps": 6, "peer": True, "replica_faults": [fault], "distributed": PEER}
+        results = run_workers(dist_workers.guarded_training, world, tmp_path / str(world), options)
+        peer = _peer_verdicts(results)
+        if world == 3:  # rank 1's own step and its replay of rank 0's batch both disagree: named twice
+            assert peer == [(4, 1, "confirmed_sdc"), (4, 1, "confirmed_sdc")]
+        else:  # each rank reproduces its own result, both batches differ across the pair: nobody named
+            assert peer == [(4, 0, "unattributed_sdc"), (4, 0, "unattributed_sdc")]
+            assert all(i["rank"] == 1 or i["site"] != "model:peer_replay" for r in results for i in r["incidents"])
+
+
+@pytest.mark.slow
+def test_clean_replicas_with_a_slow_rank_vote_and_replay_without_a_finding(tmp_path):
+    options = {"steps": 8, "peer": True, "delay": {"rank": 1, "every": 4, "seconds": 1.0}, "distributed": PEER}
+    results = run_workers(dist_workers.guarded_training, 3, tmp_path, options)
+    for r in results:
+        assert r["incidents"] == [] and r["verdicts"] == []
+        assert r["state_votes"] == 8 and r["peer_replays"] == 4  # peer replays agreed bit for bit
+        assert r["summary"]["confirmed"] == 0 and r["summary"]["unattributed"] == 0
+        assert r["summary"]["not_deterministic"] == 0

@@ -239,10 +239,19 @@ class DistributedConfig:
       step's end (sensors/state_vote.py): a weight or an optimizer moment corrupted at rest, or a
       replica that missed an update, is named at the next step's end (with two replicas: proven,
       no rank named). Costs one read of the voted tensors (fingerprints at the read bandwidth).
-    - `vote_param_slices`: the parameters are voted in this many rotating slices (1: all of them at
-      every step; a corrupted parameter is found within this many steps).
+    - `vote_param_slices`: the parameters are voted in this many rotating slices (a corrupted
+      parameter is found within this many steps). 8: the vote reads an eighth of the parameters per
+      step — on an H200 with a 1.1B Llama 0.41–0.69% of the step (two runs), all of them every
+      step 1.5–2.3% (benchmarks/state_sensors.py): the batched fingerprint kernel reads ~1 TB/s
+      there, a third of what the single-tensor kernel reaches.
     - `vote_state_slices`: likewise the optimizer state; 16 by default because it is 2–3× the
       parameters' bytes (Adam's two fp32 moments) and changes only through the update.
+    - `peer_replay_period`: under DDP, every this many steps a peer rank recomputes each rank's
+      micro-batch and the local gradients are compared before the all-reduce
+      (distributed/peer_replay.py): it sees corruption between the checked ops (element-wise ops,
+      norms, module outputs, gradients in memory). Needs the loss computed through
+      `guard.run_batch(loss_fn, batch)` and the checked all-reduce (`comm_check`); a replay step
+      costs one more forward and backward, so 200 keeps it near 0.5% of training. 0: off.
     """
 
     outlier_factor: float = 10.0
@@ -252,8 +261,9 @@ class DistributedConfig:
     comm_check: bool = True
     comm_chunks: int = 64
     state_vote: bool = True
-    vote_param_slices: int = 1
+    vote_param_slices: int = 8
     vote_state_slices: int = 16
+    peer_replay_period: int = 200
 
     def __post_init__(self) -> None:
         _require(
@@ -266,6 +276,7 @@ class DistributedConfig:
         _require(self.comm_chunks >= 1, "DistributedConfig.comm_chunks must be >= 1")
         _require(self.vote_param_slices >= 1, "DistributedConfig.vote_param_slices must be >= 1")
         _require(self.vote_state_slices >= 1, "DistributedConfig.vote_state_slices must be >= 1")
+        _require(self.peer_replay_period >= 0, "DistributedConfig.peer_replay_period must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -315,17 +326,24 @@ class UpdateReplayConfig:
     update is executed again from a copy of its inputs and compared bit for bit.
 
     - `enabled`: on by default: no other check sees the optimizer step.
-    - `slices`: the parameters are split into this many slices of about equal bytes, one replayed per
-      step (every parameter's update every `slices` steps). 64 keeps the copies and the second
-      update near 1/64 of the optimizer step's own memory traffic, and the copies' memory near
-      2/64 of the parameters', gradients' and state's bytes.
+    - `slices`: the parameters are split into this many slices of about equal bytes (the copies hold
+      about 2/`slices` of the parameters', gradients' and state's bytes while a replay waits for its
+      read).
+    - `every`: a slice is replayed every this many steps; every parameter's update is replayed every
+      `slices · every` steps (64 by default). Each replay costs host time of its own (copies, an
+      optimizer built for the slice, one step of it, fingerprints, ~2–8 ms), so fewer, larger
+      replays cost less: measured on an H200 with a 1.1B Llama (benchmarks/state_sensors.py), one
+      slice of 64 every step +1.4–1.5% of the step, one of 16 every 4 steps +0.26% (a second run:
+      +0.43% in its second round; its first round held a warm-up outlier).
     """
 
     enabled: bool = True
-    slices: int = 64
+    slices: int = 16
+    every: int = 4
 
     def __post_init__(self) -> None:
         _require(self.slices >= 1, "UpdateReplayConfig.slices must be >= 1")
+        _require(self.every >= 1, "UpdateReplayConfig.every must be >= 1")
 
 
 def default_run_dir() -> str:

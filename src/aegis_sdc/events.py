@@ -46,11 +46,13 @@ class AttentionKind(str, enum.Enum):
 
 
 class StateKind(str, enum.Enum):
-    """What a state site protects: a parameter's replicated state, or its optimizer update."""
+    """What a state site protects: a parameter's replicated state, its optimizer update, or (module
+    "model") a whole micro-batch's step."""
 
     PARAM = "param"  # a parameter's value, voted across data-parallel replicas
     OPTIMIZER_STATE = "optimizer_state"  # its optimizer state (Adam's moments, …), voted likewise
     OPTIMIZER_UPDATE = "optimizer_update"  # its update, re-executed from a snapshot of its inputs
+    PEER_REPLAY = "peer_replay"  # a micro-batch's forward and backward, recomputed by a peer rank
 
 
 class Channel(str, enum.Enum):

@@ -9,6 +9,9 @@ The parts, in the order a step meets them:
 - runtime/evidence.py  at the step end, the evidence travels to the host in one read, started
                        without waiting; runtime/gate.py lets a fused optimizer run meanwhile and
                        holds back its update on the device when a check alarmed;
+- sensors/state_vote.py, sensors/update_replay.py, distributed/peer_replay.py: the state no op
+                       check sees (the replicas' vote in the step's read and exchange, the update
+                       replayed by slices, peers recomputing micro-batches at the step end);
 - here, `_conclude`    `_judge` (alarms become vTasks) → `_verify` (replays; thresholds adapt on
                        false alarms; confirmed SDCs become incidents) → `_record` (runtime/record.py:
                        one transaction per step) → `_respond` (listeners, then the policy, which may
@@ -19,6 +22,7 @@ The step ends in the optimizer's step hooks, or at `Guard.step()` for loops with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import platform
@@ -46,6 +50,7 @@ from aegis_sdc.distributed.comm_check import (
 from aegis_sdc.distributed.context import make_context
 from aegis_sdc.distributed.identity import discover
 from aegis_sdc.distributed.outlier import OutlierWarning, detect_outliers
+from aegis_sdc.distributed.peer_replay import LossFn, PeerCapture, PeerFinding, PeerReplay
 from aegis_sdc.events import (
     AttentionKind,
     Channel,
@@ -136,6 +141,7 @@ class GuardSummary:
     attention_checked_flops_fraction: float = 0.0  # of the FLOPs of the attention calls the op takes
     state_votes: int = 0  # replica state votes judged (sensors/state_vote.py)
     update_replays: int = 0  # optimizer-update slices replayed (sensors/update_replay.py)
+    peer_replays: int = 0  # steps whose micro-batches peers recomputed (distributed/peer_replay.py)
 
     @property
     def false_alarm_rate(self) -> float:
@@ -282,6 +288,9 @@ class Guard:
         self._vote_record: VoteRecord | None = None  # this step's vote, until the exchange
         self._state_sites: dict[tuple[str, StateKind], Site] = {}
         self._vote_out_of_step_named = False
+        self.peer_replay: PeerReplay | None = None  # under DDP with run_batch: peers recompute steps
+        self._peer_findings: list[PeerFinding] = []
+        self._training_module: nn.Module = model  # what run_batch hands the user's loss function
         if isinstance(model, nn.parallel.DistributedDataParallel):
             if dist_cfg.comm_check:
                 self.attach_ddp(model)
@@ -407,22 +416,36 @@ class Guard:
         self.optimizer = optimizer
         if self.config.update_replay.enabled:
             inner = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
-            self.update_replay = UpdateReplay(inner, self.fingerprint_pool, self.config.update_replay.slices)
+            replay = self.config.update_replay
+            self.update_replay = UpdateReplay(inner, self.fingerprint_pool, replay.slices, replay.every)
         self._handles.append(optimizer.register_step_pre_hook(self._optimizer_pre_step))
         self._handles.append(optimizer.register_step_post_hook(self._optimizer_post_step))
 
     def attach_ddp(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Check DDP's gradient all-reduces (a communication hook; done by `protect(ddp_model)`)."""
+        self._training_module = ddp
         if self.config.distributed.comm_check:
             hook = checked_allreduce_hook(self.comm_checks, ddp.process_group, CommKind.ALLREDUCE)
             ddp.register_comm_hook(None, hook)
+            period = self.config.distributed.peer_replay_period
+            if period > 0 and self.dist is not None and self.peer_replay is None:
+                self.peer_replay = PeerReplay(ddp.module, self.dist, period, self._device)
+                self.comm_checks.on_local_gradients = self.peer_replay.local_gradients
         self._enable_state_vote(ddp.module)
+
+    def run_batch(self, loss_fn: LossFn, batch: Any) -> torch.Tensor:
+        """`loss_fn(model, batch)` — the micro-batch's loss, computed through the guard so that a peer
+        can recompute it (DistributedConfig.peer_replay_period). `loss_fn` gets the model as trained
+        (the DDP module) and, in a replay, the module it wraps; it must not depend on the rank."""
+        if self.peer_replay is None:
+            return loss_fn(self._training_module, batch)
+        return self.peer_replay.run_batch(self.clock.step, self._training_module, loss_fn, batch)
 
     def _enable_state_vote(self, module: nn.Module) -> None:
         """DDP's replicas vote on their parameters and optimizer state (DistributedConfig.state_vote)."""
         cfg = self.config.distributed
         if cfg.state_vote and self.dist is not None and self.state_vote is None:
-            self.state_vote = StateVote(module, self.fingerprint_pool, param_slices=cfg.vote_param_slices,
+            self.state_vote = StateVote(module, self._device, param_slices=cfg.vote_param_slices,
                                         state_slices=cfg.vote_state_slices)  # fmt: skip
 
     def attach_fsdp(self, model: nn.Module) -> int:
@@ -430,6 +453,7 @@ class Guard:
         from torch.distributed.fsdp import FSDPModule
 
         self.state_vote = None  # sharded parameters are no replicas (HSDP's replica groups: not voted yet)
+        self.peer_replay = self.comm_checks.on_local_gradients = None  # nor are their gradients whole
         for sensor in self.sensors:
             sensor.copy_referenced = True  # FSDP2 frees unsharded weights before verification
         self.weight_sums.enabled = False  # and regathers them layer by layer: each weight's own sums
@@ -446,6 +470,7 @@ class Guard:
         """End the current step and start the next; for training loops that pass no optimizer. Call it
         after backward and before the weights change (see `protect`)."""
         self._require_open()
+        self._conclude_peer_replay()
         report = self._process(drain=False, vote=True)
         self._advance()
         return report
@@ -488,6 +513,7 @@ class Guard:
             attention_checked_flops_fraction=self._attention_checked_fraction(),
             state_votes=self.state_vote.votes - self.state_vote.skipped_votes if self.state_vote else 0,
             update_replays=self.update_replay.replays if self.update_replay else 0,
+            peer_replays=self.peer_replay.replays if self.peer_replay else 0,
         )
 
     def _attention_checked_fraction(self) -> float:
@@ -520,8 +546,15 @@ class Guard:
         for module, reason in self.uncovered_attention.items():
             for kind in AttentionKind:
                 coverage["not_covered"][f"{module}:{kind.value}"] = reason
+        if self.peer_replay is not None and self.peer_replay.not_covered:
+            coverage["not_covered"][f"model:{StateKind.PEER_REPLAY.value}"] = self.peer_replay.not_covered
         if self.update_replay is not None and self.update_replay.uncovered:
             coverage["not_covered"][f"optimizer:{StateKind.OPTIMIZER_UPDATE.value}"] = self.update_replay.uncovered
+        elif self.update_replay is not None and self.update_replay.closure_steps:
+            coverage["not_covered"][f"optimizer:{StateKind.OPTIMIZER_UPDATE.value}"] = (
+                f"{self.update_replay.closure_steps} optimizer steps given a closure (their gradients are computed "
+                "inside the step) were not replayed"
+            )
         return coverage
 
     def close(self) -> GuardSummary:
@@ -671,7 +704,9 @@ class Guard:
             return
         self._require_open()
         if self.update_replay is not None:
-            self.update_replay.before(optimizer, self.clock.step, self.responder.dropped_updates)
+            closure = (args[1] if len(args) > 1 else None) or kwargs.get("closure")
+            self.update_replay.before(optimizer, self.clock.step, self.responder.dropped_updates, closure is not None)
+        self._conclude_peer_replay()
         gated = self.config.gate_optimizer and gateable(optimizer, self._device)
         collected = self._collect(gate=gated, vote=True)
         if collected.nothing_to_judge():
@@ -735,6 +770,7 @@ class Guard:
         collected = step_evidence.collect(
             self.clock.step, records, comm_records, max_ratios(comm_records) if comm_records else None,
             self.fingerprints.take(), attention, self.fingerprint_pool.device_buffers(), gate=gate,
+            extra=(self._vote_record.buffer,) if vote and self._vote_record is not None else (),
         )  # fmt: skip
         self.device_state.end_step()  # fresh slots and pools: their contents are copied or queued
         return collected
@@ -744,7 +780,9 @@ class Guard:
         check, verify the alarms, record the step, respond to what was confirmed."""
         report = StepReport(collected.step)
         started = time.perf_counter()
-        synced, comm_values = step_evidence.read(collected, self.fingerprint_pool)
+        synced, comm_values, extra = step_evidence.read(collected, self.fingerprint_pool)
+        if extra and self._vote_record is not None:
+            self._vote_record.resolve(extra[0])
         self.host_wait_ms += (time.perf_counter() - started) * 1000.0
         evidence_of = self._judge(collected, synced, comm_values, report)
         if self.dist is not None and not drain:
@@ -788,6 +826,7 @@ class Guard:
                 alarm(evidence, record.capture)
         if self.update_replay is not None:
             self._judge_updates(alarm)
+        self._raise_peer_findings(alarm)
         mismatched, not_deterministic = self.fingerprints.judge(collected.fp_records)
         self.counts["fingerprint_checks"] += len(collected.fp_records)
         for record in mismatched:
@@ -796,6 +835,39 @@ class Guard:
             self.counts["not_deterministic_calibration"] += 1
             report.events.append(("not_deterministic", f"{name}: not deterministic — not covered", self._site_id(name)))
         return evidence_of
+
+    def _conclude_peer_replay(self) -> None:
+        """On a peer-replay step, before the update: the ranks recompute each other's micro-batches
+        (distributed/peer_replay.py); the findings are raised with the step's other alarms."""
+        if self.peer_replay is not None:
+            self._peer_findings = self.peer_replay.conclude(self.clock.step, self._replaying)
+
+    @contextlib.contextmanager
+    def _replaying(self):
+        """The checked ops run a recomputation of this step's calls: the plan's call counts start
+        again from zero (the same calls are checked, so the same kernels run) and are restored after.
+        The recomputation's checks are judged with the step's: they are real checks of this device."""
+        calls = list(self.plan.calls)
+        self.plan.calls = [0] * len(calls)
+        try:
+            yield
+        finally:
+            self.plan.calls = calls
+
+    def _raise_peer_findings(self, alarm: Callable[[Evidence, object], None]) -> None:
+        """A peer-replay finding is raised once: by the rank it names, or (a pair, an unstable step)
+        by the lowest rank that ran it."""
+        findings, self._peer_findings = self._peer_findings, []
+        me = self.identity.rank
+        for finding in findings:
+            raiser = finding.blamed if finding.blamed is not None else min(finding.executions.values())
+            if raiser != me:
+                continue
+            site = self._state_site("model", StateKind.PEER_REPLAY)
+            evidence = Evidence(site=site, step=finding.step, call=0, channel=Channel.FINGERPRINT,
+                                value=float(len(finding.params)), threshold=0.0, index=finding.owner, raw_l2=0.0,
+                                channels=(Channel.FINGERPRINT,))  # fmt: skip
+            alarm(evidence, PeerCapture(finding))
 
     def _judge_updates(self, alarm: Callable[[Evidence, object], None]) -> None:
         """Optimizer-update replays whose fingerprints came with this read: a parameter whose training

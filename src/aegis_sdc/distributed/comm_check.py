@@ -172,6 +172,8 @@ class CommChecks:
         self.fault_hook = fault_hook  # (site, step, buffer) → corrupts the received buffer (injection)
         self.records: list[CommRecord] = []
         self.step = 0
+        # (parameters, gradients) of a bucket before it is reduced: the peer replay's originals
+        self.on_local_gradients: Callable[[list, list], None] | None = None
 
     def take(self) -> list[CommRecord]:
         records, self.records = self.records, []
@@ -202,6 +204,8 @@ def checked_allreduce_hook(checks: CommChecks, group: dist.ProcessGroup | None, 
     def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         world = dist.get_world_size(group)
+        if checks.on_local_gradients is not None:
+            checks.on_local_gradients(list(bucket.parameters()), bucket.gradients())
         site = checks.register_site(f"ddp.bucket{bucket.index()}", kind)
         expected = chunk_sums(buffer, checks.chunks)
         # Both all-reduces asynchronous, the checksums' first: a process group completes its work in

@@ -232,6 +232,11 @@ def lanes_to_int(row) -> int:
     return (y << 32) | x
 
 
+def signed64(value: int) -> int:
+    """An unsigned 64-bit fingerprint as the int64 with the same bits (what int64 tensors carry)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 # -- launches ---------------------------------------------------------------------------------------
 
 
@@ -248,12 +253,35 @@ def launch_one(words: Words, out: torch.Tensor) -> None:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Launch:
+    """The tables of one batched launch (`prepare_many`), on the launch's device: reusable for the
+    same tensors (their storage addresses and sizes) into the same rows."""
+
+    table: torch.Tensor  # int64 [n_tensors, 5]
+    item_tensor: torch.Tensor  # int32 [n_items]
+
+
 def launch_many(items: list[tuple[Words, int]], out: torch.Tensor) -> None:
     """Add the lanes of several tensors' words into rows of out (int32 [slots, SPREAD · 2]) in one
-    launch. `items` holds (words, slot). The tables travel through pinned memory without a sync; the
-    item → tensor map is built by one vectorized op, whatever the sizes."""
-    if not items:
-        return
+    launch. `items` holds (words, slot)."""
+    if items:
+        launch_prepared(prepare_many(items, out.device), out)
+
+
+def launch_prepared(launch: Launch, out: torch.Tensor) -> None:
+    """The batched kernel over prepared tables (see `prepare_many`)."""
+    block, programs, warps, stages = BATCH_SHAPE
+    n_items = launch.item_tensor.numel()
+    _fingerprint_many_kernel[(min(n_items, programs),)](
+        launch.table, launch.item_tensor, out, n_items, CHUNK=CHUNK, BLOCK=block, SPREAD=SPREAD, STAGES=stages,
+        num_warps=warps,
+    )  # fmt: skip
+
+
+def prepare_many(items: list[tuple[Words, int]], device: torch.device) -> Launch:
+    """The tables of a batched launch. They travel through pinned memory without a sync; the item →
+    tensor map is built by one vectorized op, whatever the sizes."""
     # numpy for the host side: torch.repeat_interleave on small CPU tensors took milliseconds.
     counts = np.array([ceil_div(w.n_words, CHUNK) for w, _ in items], dtype=np.int64)
     first = np.cumsum(counts) - counts
@@ -261,12 +289,7 @@ def launch_many(items: list[tuple[Words, int]], out: torch.Tensor) -> None:
             for v in (w.base.data_ptr(), w.n_words, slot, w.last_mask, f)]  # fmt: skip
     table = torch.from_numpy(np.array(flat, dtype=np.int64))
     item_tensor = torch.from_numpy(np.repeat(np.arange(len(items), dtype=np.int32), counts))
-    if out.is_cuda:
-        table = table.pin_memory().to(out.device, non_blocking=True)
-        item_tensor = item_tensor.pin_memory().to(out.device, non_blocking=True)
-    block, programs, warps, stages = BATCH_SHAPE
-    n_items = item_tensor.numel()
-    _fingerprint_many_kernel[(min(n_items, programs),)](
-        table, item_tensor, out, n_items, CHUNK=CHUNK, BLOCK=block, SPREAD=SPREAD, STAGES=stages,
-        num_warps=warps,
-    )  # fmt: skip
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+        item_tensor = item_tensor.pin_memory().to(device, non_blocking=True)
+    return Launch(table, item_tensor)

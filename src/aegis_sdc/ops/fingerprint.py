@@ -116,3 +116,52 @@ class FingerprintPool:
         out = torch.zeros(kfp.ROW, dtype=torch.int32, device=t.device)
         kfp.launch_one(words, out)
         return kfp.lanes_to_int(out.cpu())
+
+
+class FingerprintRows:
+    """Fingerprints of a list of tensors, each into its row of one device buffer (int32 [capacity,
+    ROW]), read with the step's transfer and decoded by `values`. The state sensors fingerprint the
+    same parameters, optimizer state and gradient buckets again and again: the launch's tables are
+    built once per list of storages and reused, so a call is a zeroing and one launch (on the GPU; on
+    the CPU the reference, at once).
+    """
+
+    CACHED = 64  # launch tables kept (a vote's slices, the update replay's)
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.rows = torch.zeros(capacity, kfp.ROW, dtype=torch.int32, device=device)
+        self._launches: dict[tuple, tuple[kfp.Launch | None, list[bool]]] = {}
+
+    def take(self, tensors: list[torch.Tensor | None]) -> list[bool]:
+        """Fingerprint `tensors[i]` into row i, as they are now (ordered on the current stream); which
+        rows hold one (None, and tensors the kernel cannot read in place, do not)."""
+        rows = self.rows[: len(tensors)]
+        rows.zero_()
+        if not rows.is_cuda:
+            seen = [t is not None and kfp.dense_bytes(t) is not None for t in tensors]
+            for i, t in enumerate(tensors):
+                if seen[i]:
+                    x, y = kfp.reference_lanes(t)
+                    rows[i, 0], rows[i, 1] = x - (x >> 31 << 32), y - (y >> 31 << 32)  # the lanes' int32 bits
+            return seen
+        key = tuple((t.data_ptr(), t.numel(), t.element_size()) if t is not None else None for t in tensors)
+        cached = self._launches.get(key)
+        if cached is None:
+            words = [kfp.as_words(t) if t is not None else None for t in tensors]
+            items = [(w, i) for i, w in enumerate(words) if w is not None]
+            cached = (kfp.prepare_many(items, rows.device) if items else None, [w is not None for w in words])
+            # a tensor copied to be read (an odd offset) is in the table for this launch only
+            if all(w is None or w.base.data_ptr() == t.data_ptr() for w, t in zip(words, tensors, strict=True)):
+                if len(self._launches) >= self.CACHED:
+                    self._launches.pop(next(iter(self._launches)))
+                self._launches[key] = cached
+        launch, seen = cached
+        if launch is not None:
+            kfp.launch_prepared(launch, rows)
+        return seen
+
+    @staticmethod
+    def values(host_rows: torch.Tensor, seen: list[bool]) -> list[int]:
+        """The fingerprints (unsigned 64-bit) of the rows that hold one, 0 elsewhere."""
+        flat = host_rows.tolist()
+        return [kfp.lanes_to_int(flat[i]) if hit else 0 for i, hit in enumerate(seen)]

@@ -39,15 +39,11 @@ import torch
 from torch import nn
 
 from aegis_sdc.events import StateKind, VerdictKind, WrongExecution
-from aegis_sdc.ops.fingerprint import Fingerprint, FingerprintPool
+from aegis_sdc.kernels.fingerprint import signed64
+from aegis_sdc.ops.fingerprint import FingerprintRows
 
 MASK64 = (1 << 64) - 1
 _FOLD = 0x9E3779B97F4A7C15  # odd: folding keeps every state tensor's fingerprint in the value
-
-
-def _signed(value: int) -> int:
-    """An unsigned 64-bit value as the int64 the exchange carries."""
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def fold(values: list[int | None]) -> int:
@@ -66,24 +62,29 @@ class VoteColumn:
 
     param: str  # the parameter's name in the protected model
     kind: StateKind
-    handles: tuple[Fingerprint, ...]
-
-    def value(self) -> int:
-        """The column's value (after the step's read): its fingerprint(s), 0 when unknown."""
-        return _signed(fold([h.value for h in self.handles])) if self.handles else 0
+    rows: tuple[int, ...]  # the rows of the vote's fingerprints it folds
 
 
 @dataclass
 class VoteRecord:
-    """The columns of one vote, taken at the end of `step` (their fingerprints resolve in its read)."""
+    """The columns of one vote, taken at the end of `step`: their fingerprints are in `buffer` (on the
+    device until the step's read; `resolve` decodes the read rows)."""
 
     step: int
     columns: list[VoteColumn]
     dropped_updates: int
+    buffer: torch.Tensor  # int32 [tensors, ROW]
+    seen: list[bool]
+    fingerprints: list[int] | None = None
+
+    def resolve(self, host_rows: torch.Tensor) -> None:
+        self.fingerprints = FingerprintRows.values(host_rows, self.seen)
 
     def values(self, width: int) -> torch.Tensor:
-        """int64 [width]: the columns' values, padded with 0, then the dropped-update count."""
-        out = [c.value() for c in self.columns]
+        """int64 [width]: the columns' values (0: nothing to compare), padded with 0, then the
+        dropped-update count."""
+        fps = self.fingerprints or []
+        out = [signed64(fold([fps[r] or None for r in c.rows])) if c.rows and fps else 0 for c in self.columns]
         out += [0] * (width - 1 - len(out))
         return torch.tensor([*out, self.dropped_updates], dtype=torch.int64)
 
@@ -125,16 +126,17 @@ class VoteCapture:
 class StateVote:
     """The vote of one guard: which tensors each vote fingerprints, and how a gathered vote reads."""
 
-    def __init__(self, model: nn.Module, pool: FingerprintPool, *, param_slices: int, state_slices: int) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, *, param_slices: int, state_slices: int) -> None:
         # Parameters in module order: the same on every replica. Shared parameters (tied weights)
         # once, under their first name.
         self.params: list[tuple[str, nn.Parameter]] = list(model.named_parameters())
-        self.pool = pool
+        self.device = device
         self.param_slices = param_slices
         self.state_slices = state_slices
         n = len(self.params)
         self.param_columns = -(-n // param_slices)
         self.state_columns = -(-n // state_slices)
+        self._rows = FingerprintRows(self.param_columns + 4 * self.state_columns, device)
         self.votes = 0
         self.skipped_votes = 0  # votes that judged nothing: the replicas are out of step by design
         self.known: dict[tuple[str, StateKind], tuple[int, ...]] = {}  # raised divergences → their ranks
@@ -145,26 +147,23 @@ class StateVote:
         return self.param_columns + self.state_columns + 1
 
     def take(self, step: int, optimizer: torch.optim.Optimizer | None, dropped_updates: int) -> VoteRecord:
-        """Fingerprint this vote's tensors as they are now (launched on the current stream)."""
+        """Fingerprint this vote's tensors as they are now (one launch on the current stream)."""
         vote = self.votes
         self.votes += 1
         chosen = self.params[vote % self.param_slices :: self.param_slices]
-        state_params = self.params[vote % self.state_slices :: self.state_slices]
         tensors: list[torch.Tensor] = [p.detach() for _, p in chosen]
-        per_state: list[int] = []
+        columns = [VoteColumn(name, StateKind.PARAM, (i,)) for i, (name, _) in enumerate(chosen)]
         state = optimizer.state if optimizer is not None else {}
-        for _, p in state_params:
+        for name, p in self.params[vote % self.state_slices :: self.state_slices]:
             own = state.get(p, {})
             values = [own[key] for key in sorted(own) if isinstance(own[key], torch.Tensor)]
+            rows = tuple(range(len(tensors), len(tensors) + len(values)))
+            columns.append(VoteColumn(name, StateKind.OPTIMIZER_STATE, rows))
             tensors.extend(values)
-            per_state.append(len(values))
-        handles = self.pool.take_many(tensors)
-        columns = [VoteColumn(name, StateKind.PARAM, (h,)) for (name, _), h in zip(chosen, handles, strict=False)]
-        start = len(chosen)
-        for (name, _), count in zip(state_params, per_state, strict=True):
-            columns.append(VoteColumn(name, StateKind.OPTIMIZER_STATE, tuple(handles[start : start + count])))
-            start += count
-        return VoteRecord(step, columns, dropped_updates)
+        if len(tensors) > self._rows.rows.shape[0]:  # more state tensors per parameter than room for
+            self._rows = FingerprintRows(2 * len(tensors), self.device)
+        seen = self._rows.take(tensors)
+        return VoteRecord(step, columns, dropped_updates, self._rows.rows[: len(tensors)], seen)
 
     def judge(self, record: VoteRecord, gathered: torch.Tensor, ranks: list[int]) -> list[VoteFinding] | None:
         """The disagreements of a gathered vote (int64 [len(ranks), width]); None when the replicas

@@ -15,12 +15,14 @@ device's optimizer step, and a third execution from the untouched inputs says wh
 it agrees with the replay → the training update was wrong (the weights now carry it); it agrees with
 the training update → the replay was.
 
-The slices cover every parameter every `slices` steps, balanced by bytes. The copies cost about
+One slice every `every` steps; the slices cover every parameter every `slices · every` steps,
+balanced by bytes. The copies cost about
 `2 × (parameter + gradient + state bytes) / slices` of memory while a step's slice waits for its
 read. Covered: optimizers whose update of a parameter depends on that parameter's own gradient and
 state and on its group's options (every torch.optim optimizer but LBFGS); others are named once and
-left out. A step whose update `skip-step` dropped, and parameters without a gradient, are not
-compared.
+left out. A step whose update `skip-step` dropped, a step given a closure (its gradients are
+computed inside `optimizer.step`: Lightning's automatic optimization) and parameters without a
+gradient are not compared.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class UpdateInputs:
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
     states: list[dict]
-    groups: list[dict]  # each parameter's group options (without "params")
+    groups: list[dict]  # each parameter's group options (without "params"; one dict per group)
     scaler: dict  # GradScaler's attributes on the optimizer during the step
 
     def execute(self, kind: type[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], list[dict]]:
@@ -53,7 +55,11 @@ class UpdateInputs:
         params = [p.clone() for p in self.params]
         for param, grad in zip(params, self.grads, strict=True):
             param.grad = grad.clone()
-        optimizer = kind([dict(group, params=[param]) for group, param in zip(self.groups, params, strict=True)])
+        # parameters that shared a group share one again (one fused or foreach call per group)
+        grouped: dict[int, dict] = {}
+        for group, param in zip(self.groups, params, strict=True):
+            grouped.setdefault(id(group), dict(group, params=[]))["params"].append(param)
+        optimizer = kind(list(grouped.values()))
         for param, state in zip(params, self.states, strict=True):
             optimizer.state[param] = _clone_state(state)
         for name, value in self.scaler.items():
@@ -63,12 +69,19 @@ class UpdateInputs:
         return params, [optimizer.state[p] for p in params]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's (FSDP2's DTensor) local shard; any other tensor itself. The updates are
+    element-wise: a shard replays like a whole tensor, on plain tensors."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _clone_state(state: dict) -> dict:
-    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+    return {key: _local(value).detach().clone() if isinstance(value, torch.Tensor) else value
+            for key, value in state.items()}  # fmt: skip
 
 
 def _state_tensors(state: dict) -> list[torch.Tensor]:
-    return [state[key] for key in sorted(state) if isinstance(state[key], torch.Tensor)]
+    return [_local(state[key]) for key in sorted(state) if isinstance(state[key], torch.Tensor)]
 
 
 @dataclass
@@ -129,16 +142,20 @@ class UpdateCapture:
 class UpdateReplay:
     """The update replay of one optimizer (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, pool: FingerprintPool, slices: int) -> None:
+    def __init__(self, model: nn.Module, pool: FingerprintPool, slices: int, every: int = 1) -> None:
         self.names = {id(p): name for name, p in model.named_parameters()}
         self.pool = pool
         self.slices = slices
+        self.every = every  # a slice every this many steps
         self._slices: list[list[torch.Tensor]] | None = None
         self._inputs: UpdateInputs | None = None
         self._step = -1
         self.records: list[UpdateRecord] = []  # replayed, waiting for their fingerprints
         self.replays = 0
         self.uncovered: str | None = None  # why the optimizer cannot be replayed, once known
+        self.closure_steps = 0  # steps not replayed: their gradients come from a closure inside the step
+        self._layout: tuple = ()
+        self._group_of: dict[int, int] = {}
 
     def _slice_of(self, optimizer: torch.optim.Optimizer, step: int) -> list[torch.Tensor]:
         if self._slices is None:  # balanced by bytes, largest first: the same slices every cycle
@@ -150,26 +167,41 @@ class UpdateReplay:
                 slices[lightest].append(p)
                 loads[lightest] += p.numel() * p.element_size()
             self._slices = slices
-        return self._slices[step % self.slices]
+        return self._slices[(step // self.every) % self.slices]
 
-    def before(self, optimizer: torch.optim.Optimizer, step: int, dropped_updates: int) -> None:
-        """Copy the inputs of this step's slice (the update is still to come)."""
+    def before(self, optimizer: torch.optim.Optimizer, step: int, dropped_updates: int, closure: bool = False) -> None:
+        """Copy the inputs of this step's slice (the update is still to come). A step given a closure
+        computes its gradients inside `optimizer.step` (Lightning's automatic optimization): its
+        inputs do not exist yet, so it is not replayed (comparing against stale inputs would accuse
+        a healthy device)."""
         self._inputs = None
         if self.uncovered is not None:
+            return
+        if closure:
+            self.closure_steps += 1
+            return
+        if step % self.every:
             return
         if isinstance(optimizer, torch.optim.LBFGS):
             self.uncovered = "LBFGS re-evaluates the model inside its step"
             return
-        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        chosen = [p for p in self._slice_of(optimizer, step) if p.grad is not None and id(p) in group_of]
+        groups = optimizer.param_groups
+        layout = tuple((id(g), len(g["params"])) for g in groups)
+        if layout != self._layout:  # which group each parameter is in: rebuilt when the groups change
+            self._layout = layout
+            self._group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        chosen = [p for p in self._slice_of(optimizer, step) if p.grad is not None and id(p) in self._group_of]
         if not chosen:
             return
+        # the chosen parameters' group options as they are now (a scheduler changes the learning rate)
+        options = {i: {k: v for k, v in groups[i].items() if k != "params"} for i in
+                   {self._group_of[id(p)] for p in chosen}}  # fmt: skip
         self._inputs = UpdateInputs(
             names=[self.names[id(p)] for p in chosen],
-            params=[p.detach().clone() for p in chosen],
-            grads=[p.grad.detach().clone() for p in chosen],
+            params=[_local(p.detach()).clone() for p in chosen],
+            grads=[_local(p.grad.detach()).clone() for p in chosen],
             states=[_clone_state(optimizer.state.get(p, {})) for p in chosen],
-            groups=[{k: v for k, v in group_of[id(p)].items() if k != "params"} for p in chosen],
+            groups=[options[self._group_of[id(p)]] for p in chosen],
             scaler={name: getattr(optimizer, name) for name in SCALER_ATTRS if hasattr(optimizer, name)},
         )
         self._chosen = chosen
@@ -185,7 +217,7 @@ class UpdateReplay:
         except (TypeError, ValueError, RuntimeError) as error:  # an optimizer that cannot be rebuilt
             self.uncovered = f"{type(optimizer).__name__} could not be replayed: {error}"
             return
-        trained = [[p.detach(), *_state_tensors(optimizer.state.get(p, {}))] for p in self._chosen]
+        trained = [[_local(p.detach()), *_state_tensors(optimizer.state.get(p, {}))] for p in self._chosen]
         replayed = [[p, *_state_tensors(s)] for p, s in zip(params, states, strict=True)]
         flat = self.pool.take_many([t for ts in trained + replayed for t in ts])
         handles, start = [], 0
