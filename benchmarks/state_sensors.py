@@ -34,7 +34,7 @@ from common import gpu_environment, write_result
 from e2e_step import BATCH, CALIBRATION_STEPS, HF_SHAPE, SEQ, make_runner
 
 from aegis_sdc.config import DistributedConfig, UpdateReplayConfig
-from aegis_sdc.distributed.peer_replay import _fingerprint_into
+from aegis_sdc.distributed.peer_replay import fingerprint_into
 from aegis_sdc.kernels import fingerprint as kfp
 from aegis_sdc.sensors.state_vote import StateVote
 from aegis_sdc.sensors.update_replay import UpdateReplay
@@ -173,7 +173,7 @@ def main() -> None:
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         rows_ = torch.zeros(len(params), kfp.ROW, dtype=torch.int32, device="cuda")
         seen = torch.zeros(len(grads), dtype=torch.bool)
-        _fingerprint_into(list(zip(grads, range(len(grads)), strict=True)), rows_, seen)
+        fingerprint_into(list(zip(grads, range(len(grads)), strict=True)), rows_, seen)
         rows_.cpu()
 
     peer_replay_work()

@@ -126,7 +126,8 @@ def test_ddp_cells_of_the_clean_matrix(world, faulty, tmp_path):
 def test_a_corrupted_gradient_bucket_is_detected_and_a_rank_named_only_by_a_majority(world, tmp_path):
     site = "ddp.bucket0:allreduce"
     fault = {"site": site, "model": "bitflip", "bit": 29, "steps": (5,), "ranks": (1,)}
-    results = run_workers(dist_workers.guarded_training, world, tmp_path, {"faults": [fault], "steps": 7})
+    options = {"faults": [fault], "steps": 7, "distributed": {"vote_param_slices": 1}}  # every parameter voted
+    results = run_workers(dist_workers.guarded_training, world, tmp_path, options)
     everything = [(v["site"], v["step"], r["rank"], v["kind"]) for r in results for v in r["verdicts"]]
     # the wrong gradient made rank 1's update differ: at the next step's end the replicas' state vote
     # finds its weights apart (named by the majority of three; with two, proven and nobody named)

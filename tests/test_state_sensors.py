@@ -126,7 +126,7 @@ FOUND = {
     (P.format("attn.wo") + ":optimizer_state", 15), (P.format("attn.wo") + ":param", 16),
 }  # fmt: skip
 RANK_OF = {fault["param"]: fault["rank"] for fault in FAULTS}
-VOTE = {"vote_state_slices": 2}
+VOTE = {"vote_param_slices": 1, "vote_state_slices": 2}  # every parameter at every vote
 
 
 @pytest.mark.slow
@@ -288,7 +288,7 @@ def test_fused_and_foreach_adamw_with_a_grad_scaler_replay_bit_for_bit_on_the_gp
 
 # -- peer replay of a step (2 and 3 gloo processes) ----------------------------------------------------
 
-PEER = {"peer_replay_period": 2, "vote_state_slices": 2}
+PEER = {"peer_replay_period": 2, **VOTE}
 # corruption between the checked ops, each at a replay step (even) on one rank: a module's output × 10,
 # a sign flip in a Linear's output, a local gradient before the all-reduce with noise, a bit flip, a
 # row × 100

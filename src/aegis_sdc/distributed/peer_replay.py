@@ -168,7 +168,7 @@ class PeerReplay:
     def local_gradients(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """A bucket's gradients before the all-reduce (the checked all-reduce hook): fingerprinted."""
         if self._batch is not None:
-            _fingerprint_into([(g, self.index.get(id(p))) for p, g in zip(params, grads, strict=True)],
+            fingerprint_into([(g, self.index.get(id(p))) for p, g in zip(params, grads, strict=True)],
                               self._original, self._seen)  # fmt: skip
 
     # -- at the step's end, before the update ---------------------------------------------------------
@@ -225,7 +225,7 @@ class PeerReplay:
             grads = torch.autograd.grad(loss, self.params, allow_unused=True)
         out = torch.zeros(len(self.params), kfp.ROW, dtype=torch.int32, device=self.device)
         seen = torch.zeros(len(self.params), dtype=torch.bool)
-        _fingerprint_into(list(zip(grads, range(len(grads)), strict=True)), out, seen)
+        fingerprint_into(list(zip(grads, range(len(grads)), strict=True)), out, seen)
         return self._fingerprints_of(out, seen & self._seen)
 
     @staticmethod
@@ -266,7 +266,7 @@ def _differing(a: torch.Tensor, b: torch.Tensor) -> list[int]:
     return torch.nonzero((a != b) & (a != 0) & (b != 0)).reshape(-1).tolist()
 
 
-def _fingerprint_into(items: list[tuple[torch.Tensor | None, int | None]], out: torch.Tensor,
+def fingerprint_into(items: list[tuple[torch.Tensor | None, int | None]], out: torch.Tensor,
                       seen: torch.Tensor) -> None:  # fmt: skip
     """Fingerprints of (gradient, row) into rows of out (int32 [params, ROW]): one launch on the
     GPU; on the CPU the reference, in lanes x and y of the row. Rows of gradients the kernel cannot
@@ -283,9 +283,8 @@ def _fingerprint_into(items: list[tuple[torch.Tensor | None, int | None]], out: 
                 continue
             launch.append((words, row))
         else:
-            x, y = kfp.reference_lanes(grad)
             out[row] = 0
-            out[row, 0], out[row, 1] = x - (x >> 31 << 32), y - (y >> 31 << 32)  # the lanes' int32 bits
+            out[row, 0], out[row, 1] = kfp.reference_counter(grad)
     if launch:
         kfp.launch_many(launch, out)
 

@@ -217,6 +217,13 @@ def reference_lanes(t: torch.Tensor) -> tuple[int, int]:
     return int(x.sum()) & MASK32, int(y.sum()) & MASK32
 
 
+def reference_counter(t: torch.Tensor) -> tuple[int, int]:
+    """`t`'s lanes as the int32 values a row's sub-counter holds (the rest of the row zero): what the
+    kernels would add into a zeroed row, for rows filled on the CPU."""
+    x, y = reference_lanes(t)
+    return x - (x >> 31 << 32), y - (y >> 31 << 32)
+
+
 def fingerprint_reference(t: torch.Tensor) -> int:
     """The 64-bit fingerprint as an unsigned Python int: lane y in the high half, lane x in the low."""
     x, y = reference_lanes(t)
