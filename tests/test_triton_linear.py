@@ -105,7 +105,7 @@ def test_the_optimizer_gate_holds_back_an_alarmed_update(tmp_path, monkeypatch, 
     guard = aegis.protect(model, optimizer=optimizer, config=cfg)
     gated = []
     collect = guard._collect
-    monkeypatch.setattr(guard, "_collect", lambda *, gate: gated.append(gate) or collect(gate=gate))
+    monkeypatch.setattr(guard, "_collect", lambda *, gate, **more: gated.append(gate) or collect(gate=gate, **more))
     weight = model.layers[0].mlp.up_proj.weight
     raised_at = None
     for step in range(7):
