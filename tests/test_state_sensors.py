@@ -347,3 +347,14 @@ def test_clean_replicas_with_a_slow_rank_vote_and_replay_without_a_finding(tmp_p
         assert r["state_votes"] == 8 and r["peer_replays"] == 4  # peer replays agreed bit for bit
         assert r["summary"]["confirmed"] == 0 and r["summary"]["unattributed"] == 0
         assert r["summary"]["not_deterministic"] == 0
+
+
+def test_an_optimizer_that_may_couple_parameters_is_named_not_replayed(tmp_path):
+    class ClippingAdamW(torch.optim.AdamW):  # clips by the global norm inside its step
+        def step(self, closure=None):
+            torch.nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"]], 1e-3)
+            return super().step(closure)
+
+    guard, verdicts = _replayed_training(tmp_path, lambda p: ClippingAdamW(p, lr=3e-3), steps=3)
+    assert guard.summary().update_replays == 0 and not verdicts
+    assert "ClippingAdamW" in guard.coverage_report().not_covered["optimizer:optimizer_update"]

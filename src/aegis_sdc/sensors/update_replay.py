@@ -18,11 +18,12 @@ the training update → the replay was.
 One slice every `every` steps; the slices cover every parameter every `slices · every` steps,
 balanced by bytes. The copies cost about
 `2 × (parameter + gradient + state bytes) / slices` of memory while a step's slice waits for its
-read. Covered: optimizers whose update of a parameter depends on that parameter's own gradient and
-state and on its group's options (every torch.optim optimizer but LBFGS); others are named once and
-left out. A step whose update `skip-step` dropped, a step given a closure (its gradients are
-computed inside `optimizer.step`: Lightning's automatic optimization) and parameters without a
-gradient are not compared.
+read. Covered: torch.optim's optimizers whose update of a parameter depends on that parameter's own
+gradient and state and on its group's options (`PER_PARAMETER`: SGD, the Adam family, Adagrad,
+Adadelta, RMSprop, Rprop, ASGD, Adafactor); others (subclasses too) are named once and left out.
+A step whose update `skip-step` dropped, a step given a closure (its gradients are computed inside
+`optimizer.step`: Lightning's automatic optimization) and parameters without a gradient are not
+compared.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ from aegis_sdc.ops.fingerprint import Fingerprint, FingerprintPool
 from aegis_sdc.sensors.state_vote import fold
 
 SCALER_ATTRS = ("grad_scale", "found_inf")  # GradScaler hands fused optimizers these for the step
+# Optimizers whose update of a parameter reads only that parameter, its gradient, its state and its
+# group's options: a slice replays exactly as it ran among all parameters. Any other (LAMB's global
+# norms, a clipping inside the step, ZeRO's shards, ...) could update a slice differently alone, and a
+# replay would then accuse a healthy device: such optimizers are named as not covered.
+PER_PARAMETER = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD,
+    torch.optim.Adafactor,
+)  # fmt: skip
 
 
 @dataclass
@@ -202,8 +212,9 @@ class UpdateReplay:
             return
         if step % self.every:
             return
-        if isinstance(optimizer, torch.optim.LBFGS):
-            self.uncovered = "LBFGS re-evaluates the model inside its step"
+        if type(optimizer) not in PER_PARAMETER:
+            self.uncovered = (f"{type(optimizer).__name__} is not one of torch.optim's per-parameter optimizers: a "
+                              "slice of its update need not replay as it ran among all parameters")  # fmt: skip
             return
         groups = optimizer.param_groups
         layout = tuple((id(g), len(g["params"])) for g in groups)
