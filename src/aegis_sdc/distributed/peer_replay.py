@@ -192,7 +192,8 @@ class PeerReplay:
 
         def execute(owner: int) -> list[int]:
             theirs = everyone[owner]
-            batch = rebuild([t.to(self.device) for t in theirs[: len(tensors)]])
+            # each tensor where this rank's batch had it (the same structure on every rank)
+            batch = rebuild([t.to(mine_.device) for t, mine_ in zip(theirs[: len(tensors)], tensors, strict=True)])
             with replaying():
                 return self._replay(loss_fn, batch, theirs[len(tensors) :])
 
