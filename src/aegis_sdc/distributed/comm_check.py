@@ -172,8 +172,8 @@ class CommChecks:
         self.fault_hook = fault_hook  # (site, step, buffer) → corrupts the received buffer (injection)
         self.records: list[CommRecord] = []
         self.step = 0
-        # (parameters, gradients) of a bucket before it is reduced: the peer replay's originals
-        self.on_local_gradients: Callable[[list, list], None] | None = None
+        # a DDP bucket before it is reduced (its local gradients: the peer replay's originals)
+        self.on_local_gradients: Callable[[dist.GradBucket], None] | None = None
 
     def take(self) -> list[CommRecord]:
         records, self.records = self.records, []
@@ -205,7 +205,7 @@ def checked_allreduce_hook(checks: CommChecks, group: dist.ProcessGroup | None, 
         buffer = bucket.buffer()
         world = dist.get_world_size(group)
         if checks.on_local_gradients is not None:
-            checks.on_local_gradients(list(bucket.parameters()), bucket.gradients())
+            checks.on_local_gradients(bucket)
         site = checks.register_site(f"ddp.bucket{bucket.index()}", kind)
         expected = chunk_sums(buffer, checks.chunks)
         # Both all-reduces asynchronous, the checksums' first: a process group completes its work in

@@ -165,11 +165,12 @@ class PeerReplay:
             self._batch = None  # accumulation: this step is not replayed
         return loss_fn(module, batch)
 
-    def local_gradients(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """A bucket's gradients before the all-reduce (the checked all-reduce hook): fingerprinted."""
+    def local_gradients(self, bucket) -> None:
+        """A DDP bucket's gradients before the all-reduce (the checked all-reduce hook): fingerprinted
+        on a replay step; on any other a check of one attribute."""
         if self._batch is not None:
-            fingerprint_into([(g, self.index.get(id(p))) for p, g in zip(params, grads, strict=True)],
-                              self._original, self._seen)  # fmt: skip
+            pairs = zip(bucket.parameters(), bucket.gradients(), strict=True)
+            fingerprint_into([(g, self.index.get(id(p))) for p, g in pairs], self._original, self._seen)
 
     # -- at the step's end, before the update ---------------------------------------------------------
     def conclude(self, step: int, replaying: Callable[[], contextlib.AbstractContextManager]) -> list[PeerFinding]:
@@ -268,26 +269,11 @@ def _differing(a: torch.Tensor, b: torch.Tensor) -> list[int]:
 
 
 def fingerprint_into(items: list[tuple[torch.Tensor | None, int | None]], out: torch.Tensor,
-                      seen: torch.Tensor) -> None:  # fmt: skip
-    """Fingerprints of (gradient, row) into rows of out (int32 [params, ROW]): one launch on the
-    GPU; on the CPU the reference, in lanes x and y of the row. Rows of gradients the kernel cannot
-    read in place (or None) stay unseen."""
-    launch = []
-    for grad, row in items:
-        if grad is None or row is None or kfp.dense_bytes(grad) is None:
-            continue
-        seen[row] = True
-        if out.is_cuda:
-            words = kfp.as_words(grad)
-            if words is None:
-                seen[row] = False
-                continue
-            launch.append((words, row))
-        else:
-            out[row] = 0
-            out[row, 0], out[row, 1] = kfp.reference_counter(grad)
-    if launch:
-        kfp.launch_many(launch, out)
+                     seen: torch.Tensor) -> None:  # fmt: skip
+    """Fingerprints of (gradient, row) into rows of out (int32 [params, ROW]), marking the rows
+    written in `seen` (gradients that are None, or that the kernel cannot read in place, are not)."""
+    written = kfp.fingerprint_into([(g, row) for g, row in items if g is not None and row is not None], out)
+    seen[written] = True
 
 
 def _rng_states(device: torch.device) -> list[torch.Tensor]:

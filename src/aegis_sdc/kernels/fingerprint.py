@@ -276,6 +276,26 @@ def launch_many(items: list[tuple[Words, int]], out: torch.Tensor) -> None:
         launch_prepared(prepare_many(items, out.device), out)
 
 
+def fingerprint_into(items: list[tuple[torch.Tensor, int]], out: torch.Tensor) -> list[int]:
+    """Fingerprints of (tensor, row) into zeroed rows of out (int32 [rows, ROW]): one launch on the
+    GPU; on the CPU the reference, in the row's first sub-counter. Returns the rows written (tensors
+    the kernel cannot read in place are left out)."""
+    written, launch = [], []
+    for t, row in items:
+        if out.is_cuda:
+            words = as_words(t)
+            if words is not None:
+                launch.append((words, row))
+                written.append(row)
+        elif dense_bytes(t) is not None:
+            out[row] = 0
+            out[row, 0], out[row, 1] = reference_counter(t)
+            written.append(row)
+    if launch:
+        launch_many(launch, out)
+    return written
+
+
 def launch_prepared(launch: Launch, out: torch.Tensor) -> None:
     """The batched kernel over prepared tables (see `prepare_many`)."""
     block, programs, warps, stages = BATCH_SHAPE

@@ -138,11 +138,8 @@ class FingerprintRows:
         rows = self.rows[: len(tensors)]
         rows.zero_()
         if not rows.is_cuda:
-            seen = [t is not None and kfp.dense_bytes(t) is not None for t in tensors]
-            for i, t in enumerate(tensors):
-                if seen[i]:
-                    rows[i, 0], rows[i, 1] = kfp.reference_counter(t)
-            return seen
+            written = set(kfp.fingerprint_into([(t, i) for i, t in enumerate(tensors) if t is not None], rows))
+            return [i in written for i in range(len(tensors))]
         key = tuple((t.data_ptr(), t.numel(), t.element_size()) if t is not None else None for t in tensors)
         cached = self._launches.get(key)
         if cached is None:
