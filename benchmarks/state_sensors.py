@@ -7,11 +7,13 @@ the TinyLlama-1.1B shape, bf16, `AdamW(fused=True)`, 4 × 2048 tokens per step.
   measured in the training step itself: one guard at p = 0 whose replay is switched on and off in
   interleaved rounds (each round as many steps as there are slices, so every slice is timed),
   against the unprotected step of the same rounds.
-- `vote_overhead`: the replica vote's work at its defaults (sensors/state_vote.py): its slice of the
-  parameters and of the optimizer state fingerprinted and read back, synchronized, averaged over a
-  whole cycle of slices (rows: also every parameter at every vote, and the host's part alone). One
-  GPU has no replica to exchange with: the vote's 8 bytes per parameter ride the step's existing
-  gather over the exchange group (`guard._exchange`), not timed here.
+- `vote_overhead`: the replica vote at its defaults (sensors/state_vote.py), measured in the training
+  step itself like the replay: the same guard takes a vote at every step's end (its slice of the
+  parameters and of the optimizer state fingerprinted on the device, read with the step's transfer),
+  switched on and off in the interleaved rounds. One GPU has no replica to exchange with: the vote's
+  8 bytes per column ride the step's existing gather over the exchange group (`guard._exchange`), not
+  timed here. Rows: also each vote synchronized on its own (launch, read, wait) for 1, 4 and 8
+  parameter slices, and the host's part alone.
 - `peer_replay_overhead`: a replay step's extra work (distributed/peer_replay.py) — the micro-batch's
   forward and backward once more (`torch.autograd.grad`), its gradients fingerprinted and read —
   divided by the default period (200 steps). The batch's exchange (its token ids) waits for a
@@ -36,6 +38,7 @@ from e2e_step import BATCH, CALIBRATION_STEPS, HF_SHAPE, SEQ, make_runner
 from aegis_sdc.config import DistributedConfig, UpdateReplayConfig
 from aegis_sdc.distributed.peer_replay import fingerprint_into
 from aegis_sdc.kernels import fingerprint as kfp
+from aegis_sdc.runtime.sensor_cost import SensorClock
 from aegis_sdc.sensors.state_vote import StateVote
 from aegis_sdc.sensors.update_replay import UpdateReplay
 
@@ -77,6 +80,8 @@ def main() -> None:
     plain = make_runner("unprotected", "hf", compiled=False)
     guarded = make_runner("p0", "hf", compiled=False)
     guarded.guard.update_replay = None  # each configuration below gets its own
+    in_step_vote = StateVote(guarded.guard.model, torch.device("cuda"), param_slices=distributed.vote_param_slices,
+                             state_slices=distributed.vote_state_slices)  # fmt: skip
     for i in range(CALIBRATION_STEPS + 2):  # the guard's calibration checks, then steady state
         plain.step(batches[i % 4], record=False)
         guarded.step(batches[i % 4], record=False)
@@ -90,7 +95,8 @@ def main() -> None:
         name: UpdateReplay(inner, guarded.guard.fingerprint_pool, c.slices, c.every) for name, c in configs.items()
     }
     cycle = max(c.slices * c.every for c in configs.values())
-    rows: dict = {"unprotected_ms": [], "p0_without_replay_ms": [], **{f"p0_{name}_ms": [] for name in configs}}
+    rows: dict = {"unprotected_ms": [], "p0_without_replay_ms": [], **{f"p0_{name}_ms": [] for name in configs},
+                  "p0_vote_ms": []}  # fmt: skip
     host: dict = {name: {"before": [], "after": []} for name in configs}  # host ms of every hook call
 
     def host_timed(name: str, hook: str, fn):
@@ -105,25 +111,43 @@ def main() -> None:
 
     for name, replay in replays.items():
         replay.before, replay.after = host_timed(name, "before", replay.before), host_timed(name, "after", replay.after)
-    runs = [("unprotected_ms", plain, None), ("p0_without_replay_ms", guarded, None)]
-    runs += [(f"p0_{name}_ms", guarded, replay) for name, replay in replays.items()]
-    for _, runner, replay in runs[1:]:  # one untimed cycle each: first copies of each slice's size
-        runner.guard.update_replay = replay
+    # (label, runner, update replay, vote): the guard's sensors switched per run
+    runs = [("unprotected_ms", plain, None, None), ("p0_without_replay_ms", guarded, None, None)]
+    runs += [(f"p0_{name}_ms", guarded, replay, None) for name, replay in replays.items()]
+    runs += [("p0_vote_ms", guarded, None, in_step_vote)]
+    for _, runner, replay, vote in runs[1:]:  # one untimed cycle each: first copies of each slice's size
+        runner.guard.update_replay, runner.guard.state_vote = replay, vote
         for i in range(cycle):
             runner.step(batches[i % 4], record=False)
     for hooks in host.values():
         for calls in hooks.values():
             calls.clear()
+    guarded.guard.sensor_clock = SensorClock(torch.device("cuda"))  # the guard's own measure of the vote
     for _ in range(args.rounds):  # interleaved: every configuration sees the same machine state
-        for label, runner, replay in runs:
+        for label, runner, replay, vote in runs:
             if runner is guarded:
-                runner.guard.update_replay = replay
+                runner.guard.update_replay, runner.guard.state_vote = replay, vote
             runner.gpu_ms.clear()
             for i in range(cycle):
                 runner.step(batches[i % 4], record=True)
             rows[label].append(statistics.mean(runner.gpu_ms))
-    guarded.guard.update_replay = None
+    guarded.guard.update_replay = guarded.guard.state_vote = None
+    torch.cuda.synchronize()
+    clock_costs = {"state_vote": guarded.guard.sensor_clock.cost("state_vote", 1).to_dict()}
+    vote_ms = statistics.median(rows["p0_vote_ms"]) - statistics.median(rows["p0_without_replay_ms"])
     step_ms = statistics.median(rows["unprotected_ms"])
+    # what the guard's own sensor clock (runtime/sensor_cost.py: events around each firing, read without
+    # waiting) makes of the default replay, for the budget: one more cycle, against the medians above
+    guarded.guard.sensor_clock = SensorClock(torch.device("cuda"))
+    default_config = UpdateReplayConfig()
+    guarded.guard.update_replay = UpdateReplay(
+        inner, guarded.guard.fingerprint_pool, default_config.slices, default_config.every
+    )
+    for i in range(cycle):
+        guarded.step(batches[i % 4], record=False)
+    torch.cuda.synchronize()
+    clock_costs["update_replay"] = guarded.guard.sensor_clock.cost("update_replay", default_config.every).to_dict()
+    guarded.guard.update_replay = None
     base_ms = statistics.median(rows["p0_without_replay_ms"])
     replay_ms = {name: statistics.median(rows[f"p0_{name}_ms"]) - base_ms for name in configs}
     default_replay = "replay_{0.slices}x{0.every}".format(UpdateReplayConfig())
@@ -150,7 +174,7 @@ def main() -> None:
 
         def one_vote(vote=vote) -> None:
             record = vote.take(0, plain.optimizer, 0)
-            record.resolve(record.buffer.cpu())
+            record.read()
             record.values(vote.width)
 
         for _ in range(cycle):  # the launch tables of every slice
@@ -164,7 +188,6 @@ def main() -> None:
         torch.cuda.synchronize()
         timings = [statistics.mean(timed(one_vote, cycle)) for _ in range(3)]  # three whole cycles: the median
         votes[param_slices] = {"ms": statistics.median(timings), "host_take_ms": statistics.mean(taken)}
-    vote_ms = votes[distributed.vote_param_slices]["ms"]
     params = [p for p in plain.model.parameters() if p.requires_grad]
 
     def peer_replay_work() -> None:
@@ -187,9 +210,10 @@ def main() -> None:
             name: {hook: statistics.mean(v) for hook, v in hooks.items() if v} for name, hooks in host.items()
         },
         optimizer_replays=sum(r.replays for r in replays.values()),
+        sensor_clock=clock_costs,  # the guard's own measures: ms per firing, against the timings above
         confirmed=guarded.guard.summary().confirmed,  # clean training: the replays agreed bit for bit
-        vote_ms=vote_ms,
-        vote_by_param_slices=votes,
+        vote_ms=vote_ms,  # in the step: the vote's rounds against the same guard's without it
+        vote_synchronized_by_param_slices=votes,  # each vote on its own: launch, read, wait
         vote_param_slices=distributed.vote_param_slices,
         vote_state_slices=distributed.vote_state_slices,
         vote_bytes_per_step=sum(p.numel() * p.element_size() for p in params),

@@ -6,6 +6,7 @@ same tests, on a machine with enough GPUs).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from tests.helpers import SMALL, train
 
 import aegis_sdc as aegis
+from aegis_sdc.sensors.state_vote import local
 from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
 from aegis_sdc.workloads.llama import Llama, lm_loss
 
@@ -37,9 +39,9 @@ def init(rank: int, world: int, port: int) -> torch.device:
     return device
 
 
-def workload(rank: int, device: torch.device):
+def workload(rank: int, device: torch.device, checkpointing: bool = False):
     torch.manual_seed(0)  # the same model on every rank
-    model = Llama(CFG).to(device)
+    model = Llama(dataclasses.replace(CFG, activation_checkpointing=checkpointing)).to(device)
     stream = TokenStreamConfig(vocab_size=CFG.vocab_size, seq_len=64, batch_size=4, seed=100 + rank)
     return model, SyntheticTokens(stream, device=device)
 
@@ -58,12 +60,17 @@ def fail_during_exchange(guard, stall_at: int | None, die_at: int | None) -> Non
     guard._exchange = failing
 
 
+def _named(params: dict, name: str) -> torch.Tensor:
+    """A parameter by its name in the model, or in the module DDP wraps."""
+    return params[name] if name in params else params["module." + name]
+
+
 def corrupt_state(model, optimizer, spec: dict) -> None:
     """Corrupt a weight or an Adam moment in place, the way a memory fault at rest would: no op
     computes wrong, so no GEMM check can see it. `spec`: kind ("weight" | "exp_avg" | "exp_avg_sq"),
     param (a name in `named_parameters`), factor (the element becomes factor × itself)."""
     params = dict(model.named_parameters())
-    param = params.get(spec["param"]) or params["module." + spec["param"]]  # DDP prefixes names
+    param = _named(params, spec["param"])  # DDP prefixes names
     with torch.no_grad():
         target = param if spec["kind"] == "weight" else optimizer.state[param][spec["kind"]]
         target.view(-1)[:8].mul_(spec.get("factor", 1e4))
@@ -75,9 +82,9 @@ def corrupt_replica(model, optimizer, spec: dict, snapshots: dict) -> None:
     optimizer state `state`), "row" (row `row` × `factor`), "scale" (the state tensor × `factor`),
     "stale" (the parameter back to its value one step earlier: this replica missed an update)."""
     params = dict(model.named_parameters())
-    param = params.get(spec["param"]) or params["module." + spec["param"]]
+    param = _named(params, spec["param"])
     with torch.no_grad():
-        target = param if "state" not in spec else optimizer.state[param][spec["state"]]
+        target = local(param if "state" not in spec else optimizer.state[param][spec["state"]])  # FSDP2: a shard
         kind = spec["kind"]
         if kind == "bit":
             words = target.view(-1)[spec.get("index", 0) : spec.get("index", 0) + 1].view(torch.int32)
@@ -104,8 +111,8 @@ def train_with_faults(model, data, optimizer, steps: int, rank: int, faults: lis
             if spec["rank"] != rank:
                 continue
             if spec["kind"] == "stale" and spec["step"] == step + 1:  # the value before this step's update
-                param = params.get(spec["param"]) or params["module." + spec["param"]]
-                snapshots[spec["param"]] = param.detach().clone()
+                param = _named(params, spec["param"])
+                snapshots[spec["param"]] = local(param).clone()
             if spec["step"] == step:
                 corrupt_replica(model, optimizer, spec, snapshots)
         if delay and delay["rank"] == rank and step % delay["every"] == 0:
@@ -178,14 +185,18 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
     """DDP or FSDP2 training of the workload, protected or not, with optional faults and stalls."""
     device = init(rank, world, port)
     parallel = options.get("parallel", "ddp")
-    model, data = workload(rank, device)
+    model, data = workload(rank, device, options.get("checkpointing", False))
     raw_model = model
     faults = tuple(aegis.FaultSpec(**spec) for spec in options.get("faults", ()))
     config = aegis.GuardConfig(
         run_dir=os.path.join(out, "run"),
         faults=faults,
         thresholds=aegis.ThresholdConfig(**options.get("thresholds", {})),
-        sampling=aegis.SamplingConfig(probability=options.get("sampling", 1.0)),
+        sampling=(
+            aegis.SamplingConfig(budget=options["budgets"][rank], rotation_steps=10, replan_steps=4)
+            if options.get("budgets")
+            else aegis.SamplingConfig(probability=options.get("sampling", 1.0))
+        ),
         distributed=aegis.DistributedConfig(**options.get("distributed", {})),
         response=aegis.ResponseConfig(quarantine=False),
     )
@@ -212,7 +223,10 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
 
             if options.get("protect", True):
                 guard = aegis.protect(model, config=config)  # before sharding
-            mesh = init_device_mesh(device.type, (world,))
+            if options.get("hsdp"):  # [replicas, shards]: HSDP, each shard held by `replicas` ranks
+                mesh = init_device_mesh(device.type, tuple(options["hsdp"]), mesh_dim_names=("replicate", "shard"))
+            else:
+                mesh = init_device_mesh(device.type, (world,))
             for block in model.layers:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -258,6 +272,7 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
             ]
             result["state_votes"] = guard.state_vote.votes if guard.state_vote is not None else 0
             result["peer_replays"] = guard.peer_replay.replays if guard.peer_replay is not None else 0
+            result["sensor_stretch"] = guard.sensor_stretch
             result["checks_per_step"] = [s.step_stats.checks for s in guard.sensors]
             result["relaxations"] = sum(s.row.relaxations + s.col.relaxations for s in guard.sensors)
             if "exchange_error" not in result:

@@ -15,6 +15,9 @@ from tests import dist_workers
 
 from aegis_sdc.store.sqlite import read_incidents, read_unattributed, read_warnings
 
+# gloo ranks of their own: one such test at a time (pyproject.toml, xdist_group)
+pytestmark = pytest.mark.xdist_group("processes")
+
 SITE = "layers.0.mlp.up_proj:fwd"
 
 
@@ -126,10 +129,11 @@ def test_ddp_cells_of_the_clean_matrix(world, faulty, tmp_path):
 def test_a_corrupted_gradient_bucket_is_detected_and_a_rank_named_only_by_a_majority(world, tmp_path):
     site = "ddp.bucket0:allreduce"
     fault = {"site": site, "model": "bitflip", "bit": 29, "steps": (5,), "ranks": (1,)}
-    options = {"faults": [fault], "steps": 7, "distributed": {"vote_param_slices": 1}}  # every parameter voted
+    # every parameter voted at every step; the vote of step 6 is judged at step 7's end
+    options = {"faults": [fault], "steps": 8, "distributed": {"vote_param_slices": 1}}
     results = run_workers(dist_workers.guarded_training, world, tmp_path, options)
     everything = [(v["site"], v["step"], r["rank"], v["kind"]) for r in results for v in r["verdicts"]]
-    # the wrong gradient made rank 1's update differ: at the next step's end the replicas' state vote
+    # the wrong gradient made rank 1's update differ: the replicas' state vote at the next step's end
     # finds its weights apart (named by the majority of three; with two, proven and nobody named)
     voted = [v for v in everything if v[0].endswith(":param")]
     assert voted and {(step, kind) for _, step, _, kind in voted} == {

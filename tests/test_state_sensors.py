@@ -12,8 +12,12 @@ from tests.test_distributed import run_workers
 
 from aegis_sdc.events import StateKind, VerdictKind, WrongExecution
 from aegis_sdc.kernels import fingerprint as kfp
+from aegis_sdc.ops.transfer import start_to_host
 from aegis_sdc.sensors.state_vote import StateVote, VoteColumn, VoteRecord, fold
 from aegis_sdc.store.sqlite import read_incidents, read_unattributed
+
+# gloo ranks of their own: one such test at a time (pyproject.toml, xdist_group)
+pytestmark = pytest.mark.xdist_group("processes")
 
 # -- the decision rule ------------------------------------------------------------------------------
 
@@ -24,7 +28,7 @@ def _vote(names: list[str]) -> tuple[StateVote, VoteRecord]:
         model.register_parameter(name, torch.nn.Parameter(torch.zeros(4)))
     vote = StateVote(model, torch.device("cpu"), param_slices=1, state_slices=len(names))
     columns = [VoteColumn(name, StateKind.PARAM, ()) for name in names]
-    return vote, VoteRecord(7, columns, 0, torch.zeros(0), [])
+    return vote, VoteRecord(7, columns, 0, start_to_host([]), [])
 
 
 def _gathered(rows: list[list[int]]) -> torch.Tensor:
@@ -85,7 +89,7 @@ def test_a_vote_fingerprints_parameters_and_a_rotating_slice_of_the_state():
     vote = StateVote(model, torch.device("cpu"), param_slices=1, state_slices=2)
 
     def values(record: VoteRecord) -> list[int]:
-        record.resolve(record.buffer.clone())  # what the step's read brings
+        record.read()  # what the next step's exchange reads
         return record.values(vote.width).tolist()
 
     first, second = vote.take(0, optimizer, 0), vote.take(1, optimizer, 0)
@@ -154,6 +158,58 @@ def test_two_replicas_prove_the_corruption_and_name_no_rank(tmp_path):
     assert all("ranks [0, 1]" in v["detail"] for v in results[0]["verdicts"] if v["kind"] == "unattributed_sdc")
     assert not [v for v in results[1]["verdicts"] if v["kind"] == "unattributed_sdc"]
     assert {(u["site"], u["step"]) for u in read_unattributed(tmp_path / "run")} == FOUND
+
+
+def test_hsdp_replica_sets_are_the_ranks_holding_the_same_shards():
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from aegis_sdc.sensors.state_vote import replica_sets
+
+    # what FSDP2 leaves on a parameter: its mesh of global ranks (3 replicas × 2 shards) and placements
+    module = torch.nn.Linear(2, 2)
+    module.weight.device_mesh = SimpleNamespace(mesh=torch.arange(6).view(3, 2))
+    module.weight.placements = (Replicate(), Shard(0))
+    assert replica_sets(module) == [(0, 2, 4), (1, 3, 5)]
+    module.weight.placements = (Shard(0), Replicate())  # the replicate dimension second
+    assert replica_sets(module) == [(0, 1), (2, 3), (4, 5)]
+    module.weight.placements = (Shard(0), Shard(1))  # 2-D sharding: no replicas
+    assert replica_sets(module) is None
+    assert replica_sets(torch.nn.Linear(2, 2)) is None  # plain tensors: DDP decides, not this
+
+
+def test_each_replica_set_is_judged_on_its_own_rows():
+    vote, record = _vote(["a"])
+    vote.sets = [(0, 2, 4), (1, 3, 5)]
+    # shards differ between the sets by design; inside (1, 3, 5) rank 3 differs from two replicas
+    (finding,) = vote.judge(record, _gathered([[5], [8], [5], [9], [5], [8]]), [0, 1, 2, 3, 4, 5])
+    assert (finding.ranks, finding.minority, finding.majority) == ((1, 3, 5), (3,), True)
+    vote.sets = [(0, 2), (1, 3)]
+    (finding,) = vote.judge(record, _gathered([[5], [8], [6], [8]]), [0, 1, 2, 3])
+    assert (finding.ranks, finding.minority, finding.majority) == ((0, 2), (0, 2), False)  # a pair
+
+
+# HSDP on 3 replicas × 2 shards (mesh [[0, 1], [2, 3], [4, 5]]): faults in a rank's local shards
+HSDP_FAULTS = [
+    {"step": 3, "rank": 1, "param": P.format("attn.wq"), "kind": "bit", "bit": 31},
+    {"step": 5, "rank": 4, "param": P.format("attn.wk"), "kind": "bit", "bit": 25, "index": 3},
+    {"step": 7, "rank": 2, "param": P.format("mlp.gate_proj"), "state": "exp_avg", "kind": "bit", "bit": 31},
+]
+
+
+@pytest.mark.slow
+def test_hsdp_replicas_of_a_shard_name_the_rank_whose_shard_was_corrupted(tmp_path):
+    # 10 steps: the vote of step 8 is judged at step 9's end
+    options = {"steps": 10, "parallel": "fsdp", "hsdp": [3, 2], "replica_faults": HSDP_FAULTS, "distributed": VOTE}
+    results = run_workers(dist_workers.guarded_training, 6, tmp_path, options, timeout=400.0)
+    incidents = {(i["site"], i["step"], i["rank"]) for r in results for i in r["incidents"]}
+    assert incidents == {
+        (P.format("attn.wq") + ":param", 3, 1), (P.format("attn.wk") + ":param", 5, 4),
+        (P.format("mlp.gate_proj") + ":optimizer_state", 7, 2), (P.format("mlp.gate_proj") + ":param", 8, 2),
+    }  # fmt: skip
+    for r in results:
+        assert r["state_votes"] == 10 and r["summary"]["unattributed"] == 0
 
 
 # -- the optimizer-update replay (one process) -------------------------------------------------------
@@ -339,8 +395,11 @@ def test_a_weight_corrupted_at_rest_makes_a_pair_of_two_replicas_and_is_named_am
 
 
 @pytest.mark.slow
-def test_clean_replicas_with_a_slow_rank_vote_and_replay_without_a_finding(tmp_path):
-    options = {"steps": 8, "peer": True, "delay": {"rank": 1, "every": 4, "seconds": 1.0}, "distributed": PEER}
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])
+def test_clean_replicas_with_a_slow_rank_vote_and_replay_without_a_finding(tmp_path, checkpointing):
+    # with activation checkpointing the replay recomputes each block inside its own backward too
+    options = {"steps": 8, "peer": True, "delay": {"rank": 1, "every": 4, "seconds": 1.0}, "distributed": PEER,
+               "checkpointing": checkpointing}  # fmt: skip
     results = run_workers(dist_workers.guarded_training, 3, tmp_path, options)
     for r in results:
         assert r["incidents"] == [] and r["verdicts"] == []
@@ -358,3 +417,83 @@ def test_an_optimizer_that_may_couple_parameters_is_named_not_replayed(tmp_path)
     guard, verdicts = _replayed_training(tmp_path, lambda p: ClippingAdamW(p, lr=3e-3), steps=3)
     assert guard.summary().update_replays == 0 and not verdicts
     assert "ClippingAdamW" in guard.coverage_report().not_covered["optimizer:optimizer_update"]
+
+
+# -- what the sensors cost, and the budget that pays for them --------------------------------------
+
+
+def test_the_budget_stretches_the_sensors_periods_only_as_far_as_their_share_needs():
+    from aegis_sdc.runtime.sensor_cost import MAX_STRETCH, SENSOR_SHARE, stretch_for
+
+    assert stretch_for(0.4, allowed_ms=1.0) == 1  # within half the budget: the configured periods
+    assert stretch_for(SENSOR_SHARE * 1.0, allowed_ms=1.0) == 1
+    assert stretch_for(1.2, allowed_ms=1.0) == 3  # 1.2 ms per step into 0.5 ms: every third firing
+    assert stretch_for(1e6, allowed_ms=1.0) == MAX_STRETCH  # the floor of coverage
+    assert stretch_for(0.1, allowed_ms=0.0) == MAX_STRETCH
+
+
+def test_the_sensor_clock_adds_a_firings_spans_and_takes_the_median_firing(monkeypatch):
+    from aegis_sdc.runtime import sensor_cost
+
+    ticks = iter([0.0, 0.001, 0.010, 0.013, 1.0, 1.005, 2.0, 2.009, 3.0, 3.001])  # seconds
+    monkeypatch.setattr(sensor_cost.time, "perf_counter", lambda: next(ticks))
+    clock = sensor_cost.SensorClock(torch.device("cpu"))
+    for step in (0, 0, 4, 8, 12):  # step 0: two spans (copies before the update, the replay after)
+        clock.end(clock.begin("update_replay", step))
+    # firings of 4, 5, 9 ms; the newest (1 ms) is left out while older ones are known
+    cost = clock.cost("update_replay", period_steps=4)
+    assert cost.ms_per_firing == pytest.approx(5.0) and cost.firings_timed == 4
+    assert cost.ms_per_step == pytest.approx(5.0 / 4)
+    assert clock.cost("state_vote", 1).ms_per_firing is None  # never fired: costs nothing yet
+
+
+def _budget_training(tmp_path, budget: float, steps: int = 14):
+    from tests.helpers import guard_config, small_workload, train
+
+    import aegis_sdc as aegis
+
+    model, data, optimizer = small_workload()
+    sampling = aegis.SamplingConfig(budget=budget, rotation_steps=10, replan_steps=4)
+    cfg = guard_config(tmp_path, sampling=sampling, thresholds=aegis.ThresholdConfig(calibration_checks=2))
+    guard = aegis.protect(model, optimizer=optimizer, config=cfg)
+    train(model, data, optimizer, steps)
+    return guard, guard.close()
+
+
+def test_a_budget_too_small_for_the_update_replay_stretches_its_period(tmp_path):
+    from aegis_sdc.runtime.sensor_cost import MAX_STRETCH
+
+    # 0.01% of a CPU step is microseconds: a replay slice costs far more, so it fires 16× less often
+    guard, summary = _budget_training(tmp_path, budget=1e-4)
+    assert guard.budget_plan is not None and guard.sensor_stretch == MAX_STRETCH
+    assert guard.update_replay.every == 4 * MAX_STRETCH
+    cost = summary.state_sensor_costs["update_replay"]
+    assert cost["ms_per_firing"] > 0 and cost["period_steps"] == 4 * MAX_STRETCH
+    assert guard.budget.sensors_ms > 0 and summary.confirmed == 0
+
+
+def test_a_budget_that_affords_the_update_replay_keeps_its_period(tmp_path):
+    # the whole step as budget: half of it pays for a slice every 4 steps many times over
+    guard, summary = _budget_training(tmp_path, budget=1.0)
+    assert guard.budget_plan is not None and guard.sensor_stretch == 1
+    assert summary.state_sensor_costs["update_replay"]["period_steps"] == 4
+    assert summary.update_replays == 4 and summary.confirmed == 0  # steps 0, 4, 8, 12
+
+
+@pytest.mark.slow
+def test_ranks_adopt_the_longest_sensor_periods_any_of_their_budgets_asks_for(tmp_path):
+    from aegis_sdc.runtime.sensor_cost import MAX_STRETCH
+
+    # rank 1's budget (0.01% of the step) cannot pay for the vote, the peer replay or the update replay;
+    # rank 0's (the whole step) can: both fire every sensor at rank 1's cadence, on the same steps
+    options = {"steps": 14, "peer": True, "budgets": [1.0, 1e-4], "distributed": PEER,
+               "thresholds": {"calibration_checks": 2}}  # fmt: skip
+    results = run_workers(dist_workers.guarded_training, 2, tmp_path, options)
+    assert [r["sensor_stretch"] for r in results] == [MAX_STRETCH, MAX_STRETCH]
+    assert results[0]["state_votes"] == results[1]["state_votes"] < 14
+    assert results[0]["peer_replays"] == results[1]["peer_replays"]
+    for r in results:
+        assert r["incidents"] == [] and r["summary"]["confirmed"] == 0
+        costs = r["summary"]["state_sensor_costs"]
+        assert set(costs) == {"state_vote", "update_replay", "peer_replay"}
+        assert costs["peer_replay"]["period_steps"] == 2 * MAX_STRETCH

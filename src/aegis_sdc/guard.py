@@ -84,12 +84,13 @@ from aegis_sdc.runtime.evidence import Collected
 from aegis_sdc.runtime.gate import OptimizerGate, gateable
 from aegis_sdc.runtime.plan import GEMMS_PER_LINEAR, StepPlan
 from aegis_sdc.runtime.record import StepRecorder, StepReport
+from aegis_sdc.runtime.sensor_cost import SensorClock, SensorCost
 from aegis_sdc.runtime.sites import SiteRegistry
 from aegis_sdc.sensors.attention import AttentionRecord, AttentionSensor
 from aegis_sdc.sensors.fingerprint import FingerprintChecks
 from aegis_sdc.sensors.gemm import CallRecord, GemmSensor, StepClock
 from aegis_sdc.sensors.sampling import Sampler
-from aegis_sdc.sensors.state_vote import StateVote, VoteCapture, VoteRecord
+from aegis_sdc.sensors.state_vote import StateVote, VoteCapture, VoteRecord, replica_sets
 from aegis_sdc.sensors.update_replay import UpdateCapture, UpdateReplay
 from aegis_sdc.store.sqlite import Store, rank_db_path
 from aegis_sdc.verify.verifier import Verifier
@@ -142,6 +143,8 @@ class GuardSummary:
     state_votes: int = 0  # replica state votes judged (sensors/state_vote.py)
     update_replays: int = 0  # optimizer-update slices replayed (sensors/update_replay.py)
     peer_replays: int = 0  # steps whose micro-batches peers recomputed (distributed/peer_replay.py)
+    # per state sensor: its measured ms per firing, period in steps and ms per step (runtime/sensor_cost.py)
+    state_sensor_costs: dict[str, dict] = field(default_factory=dict)
 
     @property
     def false_alarm_rate(self) -> float:
@@ -227,6 +230,8 @@ class Guard:
                 budget, sampling.rotation_steps, sampling.replan_steps, StepTimer(device), saved_probability=saved
             )
         self._saved_checker: SavedTensorChecker | None = None  # set with the fingerprint checkers
+        self.sensor_clock = SensorClock(device)  # what the state sensors' firings cost
+        self.sensor_stretch = 1  # in force: the state sensors fire at this multiple of their periods
         self._check_costs: dict[tuple, float] = {}
         self._last_calls: list[int] = []
         self._pending_events: list[tuple[str, str, int]] = []  # events for the next record (plans, gaps)
@@ -285,7 +290,10 @@ class Guard:
         self.comm_sites: dict[str, Site] = {}
         self.comm_checks = CommChecks(dist_cfg.comm_chunks, self._register_comm_site, self._comm_fault)
         self.state_vote: StateVote | None = None  # under DDP: the replicas vote on their state
-        self._vote_record: VoteRecord | None = None  # this step's vote, until the exchange
+        # The vote taken at a step's end is read and exchanged at the next step's end: its copy to the
+        # host is long done by then, so no step waits for the device on its account.
+        self._vote_taken: VoteRecord | None = None  # this step's vote, on its way to the host
+        self._vote_due: VoteRecord | None = None  # the previous step's, for this step's exchange
         self._state_sites: dict[tuple[str, StateKind], Site] = {}
         self._vote_out_of_step_named = False
         self.peer_replay: PeerReplay | None = None  # under DDP with run_batch: peers recompute steps
@@ -452,7 +460,14 @@ class Guard:
         """Check FSDP2's gradient reduce-scatters: call after `fully_shard`. Returns the modules hooked."""
         from torch.distributed.fsdp import FSDPModule
 
-        self.state_vote = None  # sharded parameters are no replicas (HSDP's replica groups: not voted yet)
+        # Sharded parameters are no replicas, but under HSDP the ranks holding the same shards are
+        # (one per index of the mesh's replicate dimension): they vote on their local shards.
+        sets = replica_sets(model)
+        cfg = self.config.distributed
+        self.state_vote = None
+        if sets is not None and cfg.state_vote and self.dist is not None:
+            self.state_vote = StateVote(model, self._device, param_slices=cfg.vote_param_slices,
+                                        state_slices=cfg.vote_state_slices, sets=sets)  # fmt: skip
         self.peer_replay = self.comm_checks.on_local_gradients = None  # nor are their gradients whole
         for sensor in self.sensors:
             sensor.copy_referenced = True  # FSDP2 frees unsharded weights before verification
@@ -514,7 +529,40 @@ class Guard:
             state_votes=self.state_vote.votes - self.state_vote.skipped_votes if self.state_vote else 0,
             update_replays=self.update_replay.replays if self.update_replay else 0,
             peer_replays=self.peer_replay.replays if self.peer_replay else 0,
+            state_sensor_costs={name: cost.to_dict() for name, cost in self.sensor_costs().items()},
         )
+
+    def sensor_costs(self) -> dict[str, SensorCost]:
+        """What each state sensor of this guard costs, at the period in force (runtime/sensor_cost.py)."""
+        return {name: self.sensor_clock.cost(name, period * self.sensor_stretch)
+                for name, period in self._sensor_periods().items()}  # fmt: skip
+
+    def _sensor_periods(self) -> dict[str, int]:
+        """The state sensors present and their configured periods (steps)."""
+        periods = {}
+        if self.state_vote is not None:
+            periods["state_vote"] = 1
+        if self.update_replay is not None:
+            periods["update_replay"] = self.config.update_replay.every
+        if self.peer_replay is not None:
+            periods["peer_replay"] = self.config.distributed.peer_replay_period
+        return periods
+
+    def _adopt_sensor_stretch(self, stretch: int, report: StepReport | None = None) -> None:
+        """From the next step on, every state sensor fires at `stretch` × its configured period (the
+        same step on every rank: the factor is agreed in the step's exchange)."""
+        if stretch == self.sensor_stretch:
+            return
+        self.sensor_stretch = stretch
+        if self.update_replay is not None:
+            self.update_replay.every = self.config.update_replay.every * stretch
+        if self.peer_replay is not None:
+            self.peer_replay.period = self.config.distributed.peer_replay_period * stretch
+        message = f"state sensors fire at {stretch}× their configured periods (the overhead budget)"
+        if report is not None:
+            report.events.append(("sensor_cadence", message, None))
+        else:
+            self._pending_events.append(("sensor_cadence", message, None))
 
     def _attention_checked_fraction(self) -> float:
         total = sum(s.flops["total"] for s in self.attention_sensors.values())
@@ -642,7 +690,11 @@ class Guard:
             ))  # fmt: skip
             caps = np.array([self.sampler.probability_for(s.site.name, 1.0) for s in self.sensors]
                             + [self.sampler.probability_for(s.forward_site.name, 1.0) for s in attention])  # fmt: skip
-            plan = self.budget.replan(flops, calls, costs, caps)
+            sensors_ms = sum(self.sensor_clock.cost(name, period).ms_per_step
+                             for name, period in self._sensor_periods().items())  # fmt: skip
+            plan = self.budget.replan(flops, calls, costs, caps, sensors_ms_at_base=sensors_ms)
+            if self.dist is None:  # nothing to agree on (with ranks, the step's exchange agrees)
+                self._adopt_sensor_stretch(self.budget.sensor_stretch)
             if plan is not None:
                 gemms = len(self.sensors)
                 self.plan.set_probabilities(plan.probabilities[:gemms])
@@ -657,7 +709,7 @@ class Guard:
                     ("sampling_plan", f"budget {self.budget.budget:.2%} of a {self.budget.base_ms:.1f} ms step: "
                      f"{plan.expected_ms:.2f} ms of checks (cost model × {self.budget.scale:.2f}), "
                      f"{fractions[0]:.1%} of GEMM FLOPs, {fractions[1]:.1%} of attention FLOPs"
-                     + self.budget.describe_saved(),
+                     + self.budget.describe_saved() + self.budget.describe_sensors(),
                      None)
                 )  # fmt: skip
         return phase in ("quiet", "probe")
@@ -705,7 +757,11 @@ class Guard:
         self._require_open()
         if self.update_replay is not None:
             closure = (args[1] if len(args) > 1 else None) or kwargs.get("closure")
-            self.update_replay.before(optimizer, self.clock.step, self.responder.dropped_updates, closure is not None)
+            step = self.clock.step
+            span = self.sensor_clock.begin("update_replay", step) if self.update_replay.due(step) else None
+            self.update_replay.before(optimizer, step, self.responder.dropped_updates, closure is not None)
+            if span is not None:
+                self.sensor_clock.end(span)
         self._conclude_peer_replay()
         gated = self.config.gate_optimizer and gateable(optimizer, self._device)
         collected = self._collect(gate=gated, vote=True)
@@ -732,8 +788,10 @@ class Guard:
             report = self._conclude(collected, drain=False)  # may raise: the update stays held back
             if report.alarms:  # the gate held the update back; the verdicts let it through
                 self.gate.reapply(optimizer, args, kwargs)
-        if self.update_replay is not None:  # the update has run: replay its slice
+        if self.update_replay is not None and self.update_replay.pending:  # the update has run: replay its slice
+            span = self.sensor_clock.begin("update_replay", self.clock.step)
             self.update_replay.after(optimizer, self.responder.dropped_updates)
+            self.sensor_clock.end(span)
         self._advance()
 
     def _after_call(self) -> None:
@@ -758,9 +816,12 @@ class Guard:
     def _collect(self, *, gate: bool, vote: bool = False) -> Collected:
         """Take what the step recorded and start its evidence on the way to the host (nothing waits).
         `vote`: at a step's end, before its update — the replicas' state is fingerprinted here."""
-        if vote and self.state_vote is not None:
-            dropped = self.responder.dropped_updates
-            self._vote_record = self.state_vote.take(self.clock.step, self.optimizer, dropped)
+        if vote:  # the previous step's vote is due; this step's is taken (unless the cadence skips it)
+            self._vote_due, self._vote_taken = self._vote_taken, None
+        if vote and self.state_vote is not None and self.clock.step % self.sensor_stretch == 0:
+            span = self.sensor_clock.begin("state_vote", self.clock.step)
+            self._vote_taken = self.state_vote.take(self.clock.step, self.optimizer, self.responder.dropped_updates)
+            self.sensor_clock.end(span)
         records = list(self.recorder)
         self.recorder.clear()
         for swap in self._swaps:  # compiled forwards whose backward never came (see ops/linear_op.py)
@@ -770,7 +831,6 @@ class Guard:
         collected = step_evidence.collect(
             self.clock.step, records, comm_records, max_ratios(comm_records) if comm_records else None,
             self.fingerprints.take(), attention, self.fingerprint_pool.device_buffers(), gate=gate,
-            extra=(self._vote_record.buffer,) if vote and self._vote_record is not None else (),
         )  # fmt: skip
         self.device_state.end_step()  # fresh slots and pools: their contents are copied or queued
         return collected
@@ -780,9 +840,7 @@ class Guard:
         check, verify the alarms, record the step, respond to what was confirmed."""
         report = StepReport(collected.step)
         started = time.perf_counter()
-        synced, comm_values, extra = step_evidence.read(collected, self.fingerprint_pool)
-        if extra and self._vote_record is not None:
-            self._vote_record.resolve(extra[0])
+        synced, comm_values = step_evidence.read(collected, self.fingerprint_pool)
         self.host_wait_ms += (time.perf_counter() - started) * 1000.0
         evidence_of = self._judge(collected, synced, comm_values, report)
         if self.dist is not None and not drain:
@@ -839,8 +897,10 @@ class Guard:
     def _conclude_peer_replay(self) -> None:
         """On a peer-replay step, before the update: the ranks recompute each other's micro-batches
         (distributed/peer_replay.py); the findings are raised with the step's other alarms."""
-        if self.peer_replay is not None:
+        if self.peer_replay is not None and self.peer_replay.due(self.clock.step):
+            span = self.sensor_clock.begin("peer_replay", self.clock.step)
             self._peer_findings = self.peer_replay.conclude(self.clock.step, self._replaying)
+            self.sensor_clock.end(span)
 
     @contextlib.contextmanager
     def _replaying(self):
@@ -957,8 +1017,9 @@ class Guard:
 
     def _exchange(self, step: int, report: StepReport, evidence_of: dict[int, Evidence]) -> None:
         """The step's one collective: per site, every data-parallel rank's largest normalized difference
-        (and per collective, how far its check was off), and the replicas' state vote, gathered on the
-        exchange group (int64: the differences' float64 bits, then the vote's values)."""
+        (and per collective, how far its check was off), the replicas' state vote and the factor on the
+        state sensors' periods this rank's budget asks for, gathered on the exchange group (int64: the
+        differences' float64 bits, the vote's values, the factor). All ranks adopt the largest factor."""
         nan = float("nan")
         values = [max(s.step_stats.max_row, s.step_stats.max_col) if s.step_stats.checks else nan for s in self.sensors]
         comm = [nan] * COMM_SLOTS
@@ -966,14 +1027,18 @@ class Guard:
             comm[index % COMM_SLOTS] = value
         self._comm_values = {}
         sent = torch.tensor(values + comm, dtype=torch.float64).view(torch.int64)
-        vote, self._vote_record = self._vote_record, None
+        vote, self._vote_due = self._vote_due, None
+        if vote is not None:
+            vote.read()  # copied a step ago: nothing to wait for
         if self.state_vote is not None:  # a fixed width on every rank, zeros when no vote was taken
             width = self.state_vote.width
             sent = torch.cat((sent, vote.values(width) if vote else torch.zeros(width, dtype=torch.int64)))
-        everyone = self.dist.all_gather(sent, step)
+        stretch = self.budget.sensor_stretch if self.budget is not None else 1
+        everyone = self.dist.all_gather(torch.cat((sent, torch.tensor([stretch], dtype=torch.int64))), step)
         gathered = everyone[:, : len(values) + COMM_SLOTS].contiguous().view(torch.float64)
         if vote is not None:
-            self._judge_vote(vote, everyone[:, len(values) + COMM_SLOTS :], report, evidence_of)
+            self._judge_vote(vote, everyone[:, len(values) + COMM_SLOTS : -1], report, evidence_of)
+        self._adopt_sensor_stretch(int(everyone[:, -1].max()), report)
         n = len(self.sensors)
         if step >= self.config.distributed.warmup_steps:
             cfg = self.config.distributed

@@ -9,7 +9,9 @@ site's rotation floor (checked about once per `rotation_steps` steps), sites are
 cap in order of FLOPs per millisecond of check, the last one partly. If even the floors do not fit,
 all floors shrink alike. The step time the budget is a fraction of is measured on steps run without
 sampling (`BudgetController`), and what the plan really cost corrects the cost model each cycle, as
-far as the step times' noise resolves it (`resolved_cost_ratio`).
+far as the step times' noise resolves it (`resolved_cost_ratio`). The state sensors (replica vote,
+update replay, peer replay) are paid first, from their measured cost, up to a share of the budget
+that stretches their periods when they cost more (runtime/sensor_cost.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from aegis_sdc.runtime.sensor_cost import stretch_for
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,8 @@ class BudgetController:
     base_ms: float | None = None
     saved_cost_ms: float | None = None  # what a saved-tensor step adds (the probe's time over quiet)
     saved_planned: float | None = None  # the share of saved-tensor steps the plan allows
+    sensor_stretch: int = 1  # the factor on the state sensors' periods this rank proposes (sensor_cost.py)
+    sensors_ms: float = 0.0  # what the state sensors are expected to spend per step at that factor
     _phase: str = "calibrating"
     _left: int = 0
     _probed: bool = False  # the one probe step ran (its time may reach a later replan: the device's pace)
@@ -192,7 +198,16 @@ class BudgetController:
             return ", saved tensors in no step until the probe step is timed"
         return f", saved tensors in {self.saved_planned:.2%} of steps (a {self.saved_cost_ms:.1f} ms step)"
 
-    def replan(self, flops, calls, cost_ms, caps) -> BudgetPlan | None:
+    def describe_sensors(self) -> str:
+        """The state sensors' share of the plan, for its log line ("" when they cost nothing yet)."""
+        if self.sensors_ms <= 0:
+            return ""
+        every = f", their periods ×{self.sensor_stretch}" if self.sensor_stretch > 1 else ""
+        return f", state sensors {self.sensors_ms:.2f} ms per step{every}"
+
+    def replan(self, flops, calls, cost_ms, caps, sensors_ms_at_base: float = 0.0) -> BudgetPlan | None:
+        """The next plan (None until a quiet step is timed). `sensors_ms_at_base`: the state sensors'
+        measured cost per step at their configured periods, paid before the op checks."""
         quiet, busy, probe = self.timer.take("quiet"), self.timer.take("busy"), self.timer.take("probe")
         if not quiet:
             return None
@@ -210,7 +225,10 @@ class BudgetController:
         if self.plan is not None and busy and self.plan.expected_ms > 0:
             ratio = resolved_cost_ratio(busy, quiet, self.plan.expected_ms)
             self.scale = float(np.clip(self.scale * np.clip(ratio, 0.5, 4.0), 0.25, 16.0))
+        self.sensor_stretch = stretch_for(sensors_ms_at_base, allowed)
+        self.sensors_ms = sensors_ms_at_base / self.sensor_stretch
         self.base_ms = base
-        self.plan = plan_budget(flops, calls, cost_ms * self.scale, caps, allowed_ms=allowed - saved_ms,
+        left = max(0.0, allowed - saved_ms - self.sensors_ms)
+        self.plan = plan_budget(flops, calls, cost_ms * self.scale, caps, allowed_ms=left,
                                 rotation_steps=self.rotation_steps)  # fmt: skip
         return self.plan

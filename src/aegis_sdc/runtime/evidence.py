@@ -36,7 +36,6 @@ class Collected:
     deferred_attention: tuple[AttentionRecord, ...] = ()  # attention checks whose values are on the device
     has_comm: bool = False
     n_evidence: int = 0  # tensors in the transfer before the fingerprint buffers
-    n_extra: int = 0  # tensors at the transfer's end that the caller decodes (the replicas' vote)
     gate: torch.Tensor | None = None  # float32 [] on the device: 1 when any check alarmed
     held_found_inf: torch.Tensor | None = None  # the optimizer's own found_inf (GradScaler), restored after
 
@@ -54,10 +53,8 @@ class Collected:
 def collect(
     step: int, records: list[CallRecord], comm_records: list, comm_ratios: torch.Tensor | None, fp_records: list,
     attention: list[AttentionRecord], fingerprint_rows: list[torch.Tensor], *, gate: bool,
-    extra: tuple[torch.Tensor, ...] = (),
 ) -> Collected:  # fmt: skip
-    """Start the step's read (see the module docstring); with `gate`, the device-side alarm flag;
-    `extra` tensors ride along and come back from `read` as they are."""
+    """Start the step's read (see the module docstring); with `gate`, the device-side alarm flag."""
     collected = Collected(step, records, comm_records, fp_records, attention)
     collected.reference = tuple(i for i, r in enumerate(records) if r.raw is None)
     collected.triton = tuple(i for i, r in enumerate(records) if r.raw is not None)
@@ -81,18 +78,15 @@ def collect(
         wanted.append(comm_ratios)
         collected.has_comm = True
     collected.n_evidence = len(wanted)
-    collected.n_extra = len(extra)
-    collected.transfer = start_to_host(wanted + fingerprint_rows + list(extra))
+    collected.transfer = start_to_host(wanted + fingerprint_rows)
     return collected
 
 
-def read(collected: Collected, fingerprint_pool: FingerprintPool) -> tuple[list[list[float]], list[float], list]:
-    """Wait for the read; (evidence per record in the reference layout, mismatch per collective, the
-    extra tensors on the host)."""
+def read(collected: Collected, fingerprint_pool: FingerprintPool) -> tuple[list[list[float]], list[float]]:
+    """Wait for the read; (evidence per record in the reference layout, mismatch per collective)."""
     records = collected.records
     host = collected.transfer.wait()
-    extra = host[len(host) - collected.n_extra :] if collected.n_extra else []
-    fingerprint_pool.resolve(host[collected.n_evidence : len(host) - collected.n_extra])
+    fingerprint_pool.resolve(host[collected.n_evidence :])
     host = host[: collected.n_evidence]
     synced: list[list[float] | None] = [None] * len(records)
     if collected.reference:
@@ -108,4 +102,4 @@ def read(collected: Collected, fingerprint_pool: FingerprintPool) -> tuple[list[
             record.finish(flat[start:end])
             start = end
     comm_values = host.pop(0).tolist() if collected.has_comm else []
-    return synced, comm_values, extra  # type: ignore[return-value]
+    return synced, comm_values  # type: ignore[return-value]

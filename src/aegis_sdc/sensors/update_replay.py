@@ -36,7 +36,7 @@ from torch import nn
 
 from aegis_sdc.events import VerdictKind, WrongExecution
 from aegis_sdc.ops.fingerprint import Fingerprint, FingerprintPool
-from aegis_sdc.sensors.state_vote import fold
+from aegis_sdc.sensors.state_vote import fold, local
 
 SCALER_ATTRS = ("grad_scale", "found_inf")  # GradScaler hands fused optimizers these for the step
 # Optimizers whose update of a parameter reads only that parameter, its gradient, its state and its
@@ -99,19 +99,13 @@ def _digest(t: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A sharded tensor's (FSDP2's DTensor) local shard; any other tensor itself. The updates are
-    element-wise: a shard replays like a whole tensor, on plain tensors."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _clone_state(state: dict) -> dict:
-    return {key: _local(value).detach().clone() if isinstance(value, torch.Tensor) else value
+    return {key: local(value).clone() if isinstance(value, torch.Tensor) else value
             for key, value in state.items()}  # fmt: skip
 
 
 def _state_tensors(state: dict) -> list[torch.Tensor]:
-    return [_local(state[key]) for key in sorted(state) if isinstance(state[key], torch.Tensor)]
+    return [local(state[key]) for key in sorted(state) if isinstance(state[key], torch.Tensor)]
 
 
 @dataclass
@@ -187,6 +181,15 @@ class UpdateReplay:
         self._layout: tuple = ()
         self._group_of: dict[int, int] = {}
 
+    def due(self, step: int) -> bool:
+        """Whether `step` replays a slice (when its optimizer and inputs allow)."""
+        return self.uncovered is None and step % self.every == 0
+
+    @property
+    def pending(self) -> bool:
+        """A slice's inputs are copied and wait for the update to run."""
+        return self._inputs is not None
+
     def _slice_of(self, optimizer: torch.optim.Optimizer, step: int) -> list[torch.Tensor]:
         if self._slices is None:  # balanced by bytes, largest first: the same slices every cycle
             params = [p for g in optimizer.param_groups for p in g["params"] if id(p) in self.names]
@@ -229,8 +232,8 @@ class UpdateReplay:
                    {self._group_of[id(p)] for p in chosen}}  # fmt: skip
         self._inputs = UpdateInputs(
             names=[self.names[id(p)] for p in chosen],
-            params=[_local(p.detach()).clone() for p in chosen],
-            grads=[_local(p.grad.detach()).clone() for p in chosen],
+            params=[local(p).clone() for p in chosen],
+            grads=[local(p.grad).clone() for p in chosen],
             states=[_clone_state(optimizer.state.get(p, {})) for p in chosen],
             groups=[options[self._group_of[id(p)]] for p in chosen],
             scaler={name: getattr(optimizer, name) for name in SCALER_ATTRS if hasattr(optimizer, name)},
@@ -248,7 +251,7 @@ class UpdateReplay:
         except (TypeError, ValueError, RuntimeError) as error:  # an optimizer that cannot be rebuilt
             self.uncovered = f"{type(optimizer).__name__} could not be replayed: {error}"
             return
-        trained = [[_local(p.detach()), *_state_tensors(optimizer.state.get(p, {}))] for p in self._chosen]
+        trained = [[local(p), *_state_tensors(optimizer.state.get(p, {}))] for p in self._chosen]
         replayed = [[p, *_state_tensors(s)] for p, s in zip(params, states, strict=True)]
         flat = fingerprints(self.pool, [t for ts in trained + replayed for t in ts])
         handles, start = [], 0
