@@ -81,12 +81,14 @@ def test_folded_state_fingerprints_keep_every_tensor_and_its_order():
     assert fold([0]) != 0
 
 
-def test_a_vote_fingerprints_parameters_and_a_rotating_slice_of_the_state():
-    model = torch.nn.Linear(4, 3)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_vote_fingerprints_parameters_and_a_rotating_slice_of_the_state(device):
+    # on the GPU: the batched kernel's launch, the copy to pinned memory and its read a step later
+    model = torch.nn.Linear(4, 3).to(device)
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 4)).sum().backward()
+    model(torch.randn(2, 4, device=device)).sum().backward()
     optimizer.step()
-    vote = StateVote(model, torch.device("cpu"), param_slices=1, state_slices=2)
+    vote = StateVote(model, torch.device(device), param_slices=1, state_slices=2)
 
     def values(record: VoteRecord) -> list[int]:
         record.read()  # what the next step's exchange reads
@@ -98,6 +100,8 @@ def test_a_vote_fingerprints_parameters_and_a_rotating_slice_of_the_state():
     ]  # fmt: skip
     assert [c.param for c in second.columns[2:]] == ["bias"]
     assert len(first.columns[2].rows) == 3  # exp_avg, exp_avg_sq, step
+    # every state tensor known, the step count too (on the GPU a CPU scalar beside device moments)
+    assert values(first)[2] != 0
     assert len(values(first)) == vote.width and values(first)[-1] == 0  # the dropped-update count last
     assert values(first)[0] == kfp.signed64(fold([kfp.fingerprint_reference(model.weight)]))
     before = values(second)[2]

@@ -41,13 +41,13 @@ ranks that differ change. A vote whose dropped-update counts differ judges nothi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from aegis_sdc.events import StateKind, VerdictKind, WrongExecution
-from aegis_sdc.kernels.fingerprint import signed64
+from aegis_sdc.kernels import fingerprint as kfp
 from aegis_sdc.ops.fingerprint import FingerprintRows
 from aegis_sdc.ops.transfer import PendingTransfer, start_to_host
 
@@ -84,6 +84,7 @@ class VoteRecord:
     dropped_updates: int
     transfer: PendingTransfer  # of int32 [tensors, ROW]
     seen: list[bool]
+    on_host: dict[int, int] = field(default_factory=dict)  # row → fingerprint taken on the host
     fingerprints: list[int] | None = None
 
     def read(self) -> None:
@@ -91,12 +92,14 @@ class VoteRecord:
         if self.fingerprints is None:
             (host_rows,) = self.transfer.wait()
             self.fingerprints = FingerprintRows.values(host_rows, self.seen)
+            for row, value in self.on_host.items():
+                self.fingerprints[row] = value
 
     def values(self, width: int) -> torch.Tensor:
         """int64 [width]: the columns' values (0: nothing to compare), padded with 0, then the
         dropped-update count."""
         fps = self.fingerprints or []
-        out = [signed64(fold([fps[r] or None for r in c.rows])) if c.rows and fps else 0 for c in self.columns]
+        out = [kfp.signed64(fold([fps[r] or None for r in c.rows])) if c.rows and fps else 0 for c in self.columns]
         out += [0] * (width - 1 - len(out))
         return torch.tensor([*out, self.dropped_updates], dtype=torch.int64)
 
@@ -201,11 +204,16 @@ class StateVote:
             tensors.extend(values)
         if len(tensors) > self._rows.rows.shape[0]:  # more state tensors per parameter than room for
             self._rows = FingerprintRows(2 * len(tensors), self.device)
-        seen = self._rows.take(tensors)
+        # State kept on the host beside device parameters (a for-loop or foreach Adam's step count is a
+        # CPU scalar): fingerprinted here at once — the device kernel cannot read host memory.
+        on_device = self._rows.rows.is_cuda
+        on_host = {i: kfp.fingerprint_reference(t) for i, t in enumerate(tensors) if on_device and not t.is_cuda}
+        seen = self._rows.take([None if i in on_host else t for i, t in enumerate(tensors)])
         # the next vote rewrites the rows: on the device its launch is ordered after this copy (one
         # stream); on the host the rows are the values already, kept as a copy
         rows = self._rows.rows[: len(tensors)]
-        return VoteRecord(step, columns, dropped_updates, start_to_host([rows if rows.is_cuda else rows.clone()]), seen)
+        transfer = start_to_host([rows if on_device else rows.clone()])
+        return VoteRecord(step, columns, dropped_updates, transfer, seen, on_host)
 
     def judge(self, record: VoteRecord, gathered: torch.Tensor, ranks: list[int]) -> list[VoteFinding] | None:
         """The disagreements of a gathered vote (int64 [len(ranks), width], a row per rank of
