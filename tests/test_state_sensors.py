@@ -437,10 +437,10 @@ def test_the_budget_stretches_the_sensors_periods_only_as_far_as_their_share_nee
 
 
 def test_the_sensor_clock_adds_a_firings_spans_and_takes_the_median_firing(monkeypatch):
-    from aegis_sdc.runtime import sensor_cost
+    from aegis_sdc.runtime import sensor_cost, timing
 
     ticks = iter([0.0, 0.001, 0.010, 0.013, 1.0, 1.005, 2.0, 2.009, 3.0, 3.001])  # seconds
-    monkeypatch.setattr(sensor_cost.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(ticks))
     clock = sensor_cost.SensorClock(torch.device("cpu"))
     for step in (0, 0, 4, 8, 12):  # step 0: two spans (copies before the update, the replay after)
         clock.end(clock.begin("update_replay", step))

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from aegis_sdc.runtime.sensor_cost import stretch_for
+from aegis_sdc.runtime.timing import DeviceIntervals
 
 
 @dataclass(frozen=True)
@@ -75,27 +74,21 @@ class StepTimer:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._intervals = DeviceIntervals(device)
         self._last: tuple[object, str] | None = None
-        self._open: deque = deque()
         self.times_ms: dict[str, list[float]] = {}
 
     def mark(self, tag: str) -> None:
         """A step begins (and the previous one ends); `tag` names the kind of the step beginning."""
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        else:
-            event = time.perf_counter()
+        now = self._intervals.mark()
         if self._last is not None:
-            self._open.append((*self._last, event))
-        self._last = (event, tag)
+            self._intervals.add(self._last[0], now, self._last[1])  # the previous step, under its tag
+        self._last = (now, tag)
         self.poll()
 
     def poll(self) -> None:
         """Take the intervals the device has finished."""
-        while self._open and (self.device.type != "cuda" or self._open[0][2].query()):
-            start, kind, end = self._open.popleft()
-            ms = start.elapsed_time(end) if self.device.type == "cuda" else (end - start) * 1000.0
+        for kind, ms in self._intervals.finished():
             self.times_ms.setdefault(kind, []).append(ms)
 
     def take(self, tag: str) -> list[float]:

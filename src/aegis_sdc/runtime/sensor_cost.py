@@ -5,7 +5,7 @@ The replica vote, the optimizer-update replay and the peer replay (sensors/state
 sensors/update_replay.py, distributed/peer_replay.py) each fire on some steps: the vote every step,
 a replay slice every `UpdateReplayConfig.every`, a peer replay every
 `DistributedConfig.peer_replay_period`. Each firing is timed between two events recorded on the
-device's stream around its work. When the device runs behind the host the interval is the firing's
+device's stream around its work (runtime/timing.py). When the device runs behind the host the interval is the firing's
 device work; when the host runs behind (the device waits for the launches) it is the host's time —
 what the firing adds to the step either way. Intervals are read without waiting, once the device has
 passed their closing event; on the CPU the wall clock times them.
@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+from aegis_sdc.runtime.timing import DeviceIntervals
 
 SENSOR_SHARE = 0.5  # of the budget, at most, for the state sensors; the rest buys op checks
 MAX_STRETCH = 16  # the longest a sensor's period grows under a budget: ×16
@@ -58,36 +58,22 @@ class SensorClock:
     one step add up."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._free: list = []  # CUDA events whose intervals were read: reused
-        self._open: deque = deque()  # (sensor, step, start, end) not yet passed by the device
+        self._intervals = DeviceIntervals(device)
         self._ms: dict[str, dict[int, float]] = {}  # sensor → step → ms of its spans read so far
         self._timed: dict[str, int] = {}
 
-    def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def begin(self, sensor: str, step: int) -> tuple:
         """A span of `sensor`'s firing at `step` starts (on the current stream)."""
-        return (sensor, step, self._mark())
+        return (sensor, step, self._intervals.mark())
 
     def end(self, span: tuple) -> None:
-        self._open.append((*span, self._mark()))
+        sensor, step, start = span
+        self._intervals.add(start, self._intervals.mark(), (sensor, step))
         self.poll()
 
     def poll(self) -> None:
         """Take the spans the device has finished."""
-        while self._open and (not self.cuda or self._open[0][3].query()):
-            sensor, step, start, end = self._open.popleft()
-            if self.cuda:
-                ms = start.elapsed_time(end)
-                self._free += (start, end)
-            else:
-                ms = (end - start) * 1000.0
+        for (sensor, step), ms in self._intervals.finished():
             steps = self._ms.setdefault(sensor, {})
             if step not in steps:
                 self._timed[sensor] = self._timed.get(sensor, 0) + 1
