@@ -6,12 +6,18 @@
 
 On GPUs (one per process) it uses NCCL and bf16. Every rank writes its own store into the run
 directory; rank 0 prints the merged incidents and rank-outlier warnings at the end.
+
+A rank that dies or stalls (`kill -STOP` one) makes the others raise `RankExchangeError` within
+`--exchange-timeout` seconds (on CPUs, gloo; docs/distributed.md says what times out where); they
+then leave at once, as they should: a normal exit would wait in the process group's teardown for
+the stalled rank's collectives, up to the group's own timeout (30 min by default).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -29,6 +35,10 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=None, help="rank whose device corrupts accumulators")
     parser.add_argument("--fault-site", default="layers.1.mlp.up_proj:fwd")
     parser.add_argument("--run-dir", default=None)
+    parser.add_argument(
+        "--exchange-timeout", type=float, default=60.0,
+        help="seconds a rank waits for the others in the guard's collectives before RankExchangeError",
+    )  # fmt: skip
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -53,10 +63,18 @@ def main() -> None:
         )
     run_dir = args.run_dir or aegis.config.default_run_dir()
     # every call checked: the example's injected fault must be seen (the default on a GPU samples to a 1% budget)
-    config = aegis.GuardConfig(run_dir=run_dir, faults=faults, sampling=aegis.SamplingConfig.every_call())
+    config = aegis.GuardConfig(
+        run_dir=run_dir, faults=faults, sampling=aegis.SamplingConfig.every_call(),
+        distributed=aegis.DistributedConfig(exchange_timeout_s=args.exchange_timeout),
+    )  # fmt: skip
     guard = aegis.protect(model, config=config)  # before wrapping
     if args.parallel == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+        # The rotary tables are the model's only buffers, constants: no broadcast of them at every
+        # forward, which would be a collective on the default group, waiting for a stalled rank for the
+        # group's own timeout rather than the guard's.
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if cuda else None, broadcast_buffers=False
+        )
         guard.attach_ddp(model)
     else:
         from torch.distributed.device_mesh import init_device_mesh
@@ -70,14 +88,18 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     guard.attach_optimizer(optimizer)
 
-    for step in range(args.steps):
-        inputs, targets = data.batch()
-        loss = lm_loss(model(inputs), targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if rank == 0 and step % 20 == 0:
-            print(f"step {step:4d} loss {loss.item():.3f}", flush=True)
+    try:
+        for step in range(args.steps):
+            inputs, targets = data.batch()
+            loss = lm_loss(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if rank == 0 and step % 20 == 0:
+                print(f"step {step:4d} loss {loss.item():.3f}", flush=True)
+    except aegis.RankExchangeError as error:
+        print(f"rank {rank}: {error}", file=sys.stderr, flush=True)
+        os._exit(1)  # not sys.exit: tearing the process group down would wait for the stalled rank
     summary = guard.close()
     print(f"rank {rank}: {summary.checks} checks, {summary.confirmed} confirmed, "
           f"{summary.outlier_warnings} outlier warnings, {summary.false_alarms} false alarms", flush=True)  # fmt: skip

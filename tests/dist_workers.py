@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -325,4 +326,68 @@ def exchange_cost(rank: int, world: int, port: int, out: str, options: dict) -> 
         )
     )
     ctx.close()
+    dist.destroy_process_group()
+
+
+def stalled_rank(rank: int, world: int, port: int, out: str, options: dict) -> None:
+    """The documented setup (`protect(ddp_model, optimizer=...)`, or a protected model with no DDP
+    wrapper: then the guard's exchange is the only collective) with rank `stop_rank` stopping itself
+    (SIGSTOP, as a hung kernel or a stopped process would) after its forward of step `stop_at`: the
+    others meet it in the gradient all-reduce (DDP) or in the step's exchange. Each other rank records
+    its `RankExchangeError` and the seconds from the start of that step to the error."""
+    device = init(rank, world, port)
+    model, data = workload(rank, device)
+    timeout = options["exchange_timeout_s"]
+    config = aegis.GuardConfig(
+        run_dir=os.path.join(out, "run"),
+        distributed=aegis.DistributedConfig(exchange_timeout_s=timeout),
+        response=aegis.ResponseConfig(quarantine=False),
+    )
+    if options["ddp"]:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    aegis.protect(model, optimizer=optimizer, config=config)
+    result: dict = {"rank": rank}
+    try:
+        for step in range(options["steps"]):
+            started = time.monotonic()
+            inputs, targets = data.batch()
+            loss = lm_loss(model(inputs), targets)
+            if rank == options["stop_rank"] and step == options["stop_at"]:
+                os.kill(os.getpid(), signal.SIGSTOP)  # until the harness kills it
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    except aegis.RankExchangeError as error:
+        result.update(error=str(error), seconds=time.monotonic() - started, step=step)
+    finally:
+        Path(out, f"result{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # a peer is stopped: tearing the groups down would wait for it
+
+
+def mismatched_protect(rank: int, world: int, port: int, out: str, options: dict) -> None:
+    """`protect` on ranks that differ in `options["differ"]`: "model" (rank 1 has a second layer),
+    "include" (rank 1 protects the MLPs only) or "seed" (rank 1 samples with another seed)."""
+    from aegis_sdc.distributed.agreement import RankAgreementError
+
+    device = init(rank, world, port)
+    differ = options["differ"] if rank == 1 else None
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(CFG, n_layers=2) if differ == "model" else CFG
+    model = Llama(cfg).to(device)
+    config = aegis.GuardConfig(
+        run_dir=os.path.join(out, "run"),
+        include=("*mlp*",) if differ == "include" else ("*",),
+        sampling=aegis.SamplingConfig(probability=0.5, seed=7 if differ == "seed" else 0),
+        distributed=aegis.DistributedConfig(exchange_timeout_s=30.0),
+        response=aegis.ResponseConfig(quarantine=False),
+    )
+    result: dict = {"rank": rank}
+    try:
+        aegis.protect(model, config=config).close()
+        result["protected"] = True
+    except RankAgreementError as error:
+        result.update(error=str(error), value_error=isinstance(error, ValueError))
+    finally:
+        Path(out, f"result{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

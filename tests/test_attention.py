@@ -381,3 +381,46 @@ def test_on_cuda_the_triton_kernels_check_padded_bf16_batches_and_confirm_a_faul
     assert summary.attention_checks == 24 * 2
     assert [(i.step, i.site.name) for i in guard.incidents] == [(20, "<root>:attn_bwd")]
     assert summary.false_alarms == 0 and not any(":attn_" in site for site in summary.coverage["not_covered"])
+
+
+class CrossAttention(torch.nn.Module):
+    """Self-attention over `x`, then attention from `x` to a `memory` that may hold no token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.kv = torch.nn.Linear(32, 64)
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, x, memory):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mk, mv = self.kv(memory).view(b, memory.shape[1], 2, 2, 16).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(h, mk, mv)
+        return self.proj(o.transpose(1, 2).reshape(b, s, 32))
+
+
+def test_attention_on_an_empty_batch_or_no_token_runs_unchecked_as_sdpa(tmp_path):
+    # batch 0, no query token, no key token: no arithmetic to check; SDPA's result, nothing recorded
+    torch.manual_seed(0)
+    model = CrossAttention()
+    plain = CrossAttention()
+    plain.load_state_dict(model.state_dict())
+    config = guard_config(tmp_path, sampling=aegis.SamplingConfig.every_call())
+    guard = aegis.protect(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    # (batch, query tokens, memory tokens); only (2, 8, 0) has a call with something to check: its
+    # self-attention (forward and backward); its attention to the empty memory has no key
+    for batch, tokens, memory_tokens in [(0, 8, 8), (2, 0, 8), (2, 8, 0), (0, 0, 0)]:
+        x = torch.randn(batch, tokens, 32, requires_grad=True)
+        memory = torch.randn(batch, memory_tokens, 32)
+        out = model(x, memory)
+        want = plain(x, memory)
+        assert out.shape == want.shape == (batch, tokens, 32)
+        torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+        out.sum().backward()  # the backward of an empty call too
+        assert x.grad.shape == x.shape
+    model(torch.randn(2, 8, 32), torch.randn(2, 4, 32)).sum().backward()  # both calls checked
+    summary = guard.close()
+    assert summary.attention_checks == 2 + 2 * 2  # the empty calls: none
+    assert not any(":attn_" in site for site in summary.coverage["not_covered"])

@@ -32,17 +32,21 @@ def free_port() -> int:
 def _worker_context():
     """Fresh worker processes forked from a server that imported torch and the library once: a rank
     starts in a fraction of a second instead of seconds of imports (a spawned process's). The server
-    starts no threads before forking, so forking it is safe, unlike forking pytest itself."""
+    starts no threads before forking, so forking it is safe, unlike forking pytest itself. DDP's
+    constructor imports torch._dynamo (~900 modules: 4 s on one core, 10 s for three ranks on two)
+    the first time it runs in a process: imported here once too."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "aegis_sdc", "tests.dist_workers"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "aegis_sdc", "tests.dist_workers"])
     return ctx
 
 
-def run_workers(fn, world: int, tmp_path, options: dict, timeout: float = 240.0) -> list[dict]:
+def run_workers(fn, world: int, tmp_path, options: dict, timeout: float = 240.0, stopped: tuple[int, ...] = ()
+                ) -> list[dict]:  # fmt: skip
     """Run `fn(rank, world, port, dir, options)` in `world` spawned processes; their result files.
 
     Plain processes of the forkserver context (not torch.multiprocessing.spawn, which kills the
-    survivors when one rank exits, and the tests need survivors to report); none outlives `timeout`."""
+    survivors when one rank exits, and the tests need survivors to report); none outlives `timeout`.
+    `stopped`: ranks that stop themselves (SIGSTOP) and never finish: killed once the others ended."""
     if dist_workers.BACKEND == "nccl" and torch.cuda.device_count() < world:
         pytest.skip(f"{world} ranks over NCCL need {world} GPUs, {torch.cuda.device_count()} present")
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -52,8 +56,12 @@ def run_workers(fn, world: int, tmp_path, options: dict, timeout: float = 240.0)
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
+    for rank, process in enumerate(processes):
+        if rank not in stopped:
+            process.join(max(0.0, deadline - time.monotonic()))
+    for rank in stopped:
+        processes[rank].kill()  # SIGKILL ends a stopped process too
+        processes[rank].join()
     hung = [p for p in processes if p.is_alive()]
     for process in hung:
         process.kill()
@@ -225,3 +233,48 @@ def test_a_rank_that_stalls_or_dies_makes_the_others_fail_with_a_clear_error(fai
     assert "step 3" in survivor["exchange_error"]
     assert survivor["seconds_in_step"] < 3.0 + 30  # the configured timeout, not a hang
     print(f"\n{failure}: rank 0 raised after {survivor['seconds_in_step']:.1f} s: {survivor['exchange_error'][:160]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ddp", [True, False], ids=["ddp", "no_ddp"])
+def test_a_stopped_rank_makes_every_other_rank_raise_within_the_exchange_timeout(ddp, tmp_path):
+    # Three ranks; rank 1 stops itself (SIGSTOP) after its forward of step 3. Under DDP the others wait
+    # for it in the gradient all-reduce (the user's group: 30 min by default), bounded by the checked
+    # all-reduce's hook; without DDP in the guard's exchange. Either way within the exchange timeout.
+    if ddp and dist_workers.BACKEND == "nccl":
+        pytest.skip("NCCL: the host does not wait for the gradient all-reduce in the hook (docs/distributed.md)")
+    timeout = 5.0
+    options = {"ddp": ddp, "exchange_timeout_s": timeout, "steps": 6, "stop_rank": 1, "stop_at": 3}
+    results = run_workers(dist_workers.stalled_rank, 3, tmp_path, options, timeout=90, stopped=(1,))
+    assert results[1] is None  # stopped, then killed
+    for r in (results[0], results[2]):
+        assert r["step"] == 3 and "a rank died or stalled" in r["error"]
+        assert "step 3" in r["error"] and "[0, 1, 2]" in r["error"] and "5 s" in r["error"]
+        assert ("gradient all-reduce" in r["error"]) == ddp
+        assert timeout - 0.5 < r["seconds"] < timeout + 5, r  # the configured timeout, not the group's
+        print(f"\nrank {r['rank']} raised after {r['seconds']:.1f} s: {r['error'][:200]}")
+
+
+@pytest.mark.parametrize(
+    ("differ", "named"),
+    [
+        (
+            "model",
+            [
+                "protected sites: 24 on rank 0, 45 on rank 1",
+                "rank 1 has 'layers.1.attn.wq:fwd' where rank 0 has 'lm_head:fwd'",
+                "model parameters: 12 on rank 0, 21 on rank 1",
+            ],
+        ),
+        ("include", ["GuardConfig.include: ('*',) on rank 0, ('*mlp*',) on rank 1", "protected sites"]),
+        ("seed", ["SamplingConfig.seed: 0 on rank 0, 7 on rank 1"]),
+    ],
+)
+def test_ranks_whose_guards_differ_all_fail_at_protect_naming_the_difference(differ, named, tmp_path):
+    results = run_workers(dist_workers.mismatched_protect, 2, tmp_path, {"differ": differ}, timeout=60)
+    for r in results:  # every rank, with the same message
+        assert "protected" not in r and r["value_error"]
+        assert r["error"] == results[0]["error"]
+        for part in named:
+            assert part in r["error"], r["error"]
+    print(f"\n{differ}: {results[0]['error']}")

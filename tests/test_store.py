@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,19 @@ from aegis_sdc.events import (
     VTask,
     WrongExecution,
 )
-from aegis_sdc.store.sqlite import SCHEMA_VERSION, Store, StoreError, rank_db_path, read_incidents
+from aegis_sdc.store.sqlite import (
+    SCHEMA_VERSION,
+    RunStores,
+    Store,
+    StoreError,
+    UnreadableStore,
+    open_reader,
+    rank_databases,
+    rank_db_path,
+    read_events,
+    read_incidents,
+    read_runs,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,3 +242,162 @@ for _ in range(5):
         steps = [r[0] for r in conn.execute("SELECT step FROM steps ORDER BY step")]
         stats = conn.execute("SELECT COUNT(DISTINCT step) FROM step_stats").fetchone()[0]
     assert steps == [0, 1, 2, 3, 4] and stats == 5
+
+
+# -- reading an untrusted run directory: every file checked, none changed --------------------------------
+def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file of `directory` with its bytes and modification time, after setting those times (and
+    the directory's) an hour back: a write, or a file created and deleted again, shows as a new time
+    whatever the clock's resolution."""
+    past = time.time() - 3600
+    for path in (directory, *directory.iterdir()):
+        os.utime(path, (past, past))
+    return {".": (b"", directory.stat().st_mtime_ns)} | unchanged_since(directory)
+
+
+def unchanged_since(directory: Path) -> dict[str, tuple[bytes, int]]:
+    """What `snapshot` records, read again without touching the times."""
+    files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(directory.iterdir())}
+    return {".": (b"", directory.stat().st_mtime_ns)} | files
+
+
+def finished_store(path: Path, rank: int, step: int, events: int = 0) -> Path:
+    """A closed store of `rank` with its run row, one incident at `step` and `events` long events."""
+    store = Store(path)
+    identity = {"host": "host-a", "rank": rank, "local_rank": rank, "world_size": 4, "device": f"cuda:{rank}"}
+    store.write_run(identity, {}, {})
+    write_incident(store, 1, rank, step)
+    for n in range(events):  # pages enough to damage one in the middle and still read the incidents
+        store.write_event("note", f"event {n} " + "x" * 200, step=n)
+    store.close()
+    return path
+
+
+def damage_a_page(path: Path) -> None:
+    """Overwrite the page in the middle of the file (a page of events: they were written last)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 4096 // 2 * 4096
+    data[middle : middle + 4096] = bytes(range(256)) * 16
+    path.write_bytes(data)
+
+
+def test_readers_open_stores_read_only_and_change_no_file(tmp_path):
+    finished_store(rank_db_path(tmp_path, 0), 0, 5)
+    finished_store(rank_db_path(tmp_path, 1), 1, 3)
+    before = snapshot(tmp_path)
+    assert [(i["step"], i["rank"]) for i in read_incidents(tmp_path)] == [(3, 1), (5, 0)]
+    assert [r["rank"] for r in read_runs(tmp_path)] == [0, 1] and read_events(tmp_path) == []
+    with RunStores(tmp_path) as stores:
+        read_incidents(stores)
+    open_reader(rank_db_path(tmp_path, 0)).close()
+    assert unchanged_since(tmp_path) == before  # same bytes and times, and no -wal/-shm created
+
+
+def test_an_empty_file_is_not_a_store_and_stays_empty(tmp_path):
+    empty = rank_db_path(tmp_path, 0)
+    empty.touch()
+    finished_store(rank_db_path(tmp_path, 1), 1, 3)
+    before = snapshot(tmp_path)
+    with pytest.raises(UnreadableStore, match="empty file"):
+        open_reader(empty)
+    with pytest.raises(StoreError, match=re.escape(f"{empty.name}: empty file")):
+        read_incidents(tmp_path)
+    with RunStores(tmp_path, strict=False) as stores:
+        assert [i["rank"] for i in read_incidents(stores)] == [1]
+    assert [(p.path, p.skipped) for p in stores.problems] == [(empty, True)]
+    assert unchanged_since(tmp_path) == before and empty.read_bytes() == b""
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("truncated", "truncated"),
+        ("foreign", "not an aegis store"),
+        ("garbage", "not a SQLite database"),
+        ("newer", "newer than this aegis-sdc"),
+    ],
+)
+def test_a_corrupt_truncated_or_foreign_file_is_refused_by_name(tmp_path, damage, reason):
+    path = rank_db_path(tmp_path, 0)
+    if damage == "foreign":
+        with sqlite3.connect(path) as conn:
+            conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+        conn.close()
+    elif damage == "garbage":
+        path.write_bytes(b"not a database at all\n" * 200)
+    else:
+        finished_store(path, 0, 5, events=300)
+        if damage == "truncated":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        else:
+            with sqlite3.connect(path) as conn:
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+            conn.close()
+    with pytest.raises(UnreadableStore, match=reason) as refused:
+        open_reader(path)
+    assert refused.value.path == path and str(refused.value).startswith(str(path))
+
+
+def test_a_page_damaged_store_is_read_with_a_warning(tmp_path):
+    path = finished_store(rank_db_path(tmp_path, 0), 0, 5, events=400)
+    damage_a_page(path)
+    with pytest.raises(StoreError, match="damaged: PRAGMA quick_check"):
+        read_incidents(tmp_path)
+    with RunStores(tmp_path, strict=False) as stores:
+        assert [i["step"] for i in read_incidents(stores)] == [5]  # its pages are intact
+        read_events(stores)  # the damaged page holds events
+    assert stores.problems and all(p.path == path and not p.skipped for p in stores.problems)
+    assert "damaged: PRAGMA quick_check" in stores.problems[0].reason
+
+
+def test_only_store_names_are_read_and_each_rank_once(tmp_path):
+    finished_store(rank_db_path(tmp_path, 0), 0, 5)
+    finished_store(rank_db_path(tmp_path, 1), 1, 3)
+    shutil.copy(rank_db_path(tmp_path, 1), tmp_path / "aegis-rank1.sqlite")  # rank 1 under another name
+    shutil.copy(rank_db_path(tmp_path, 0), rank_db_path(tmp_path, 2))  # rank 0 under rank 2's name
+    skipped: list = []
+    assert [db.rank for db in rank_databases(tmp_path, skipped)] == [0, 1, 2]
+    assert [p.path.name for p in skipped] == ["aegis-rank1.sqlite"]
+    with RunStores(tmp_path, strict=False) as stores:
+        assert [db.rank for db in stores.databases] == [0, 1]
+        assert [(i["step"], i["rank"]) for i in read_incidents(stores)] == [(3, 1), (5, 0)]
+    problems = {p.path.name: p.reason for p in stores.problems}
+    assert problems.keys() == {"aegis-rank1.sqlite", "aegis-rank00002.sqlite"}
+    assert "aegis-rank00001.sqlite is" in problems["aegis-rank1.sqlite"]
+    assert "holds rank 0 (its run row), as aegis-rank00000.sqlite does" in problems["aegis-rank00002.sqlite"]
+    with pytest.raises(StoreError, match=r"aegis-rank1\.sqlite"):
+        read_incidents(tmp_path)
+
+
+def test_a_log_that_cannot_be_opened_read_only_is_read_around(tmp_path):
+    # mode=ro needs the -wal and -shm files; when the WAL cannot be opened (a directory here, whatever the
+    # permissions; a read-only directory after a crash in practice) the file itself is read, with a warning
+    path = finished_store(rank_db_path(tmp_path, 0), 0, 5)
+    (tmp_path / f"{path.name}-wal").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with RunStores(tmp_path, strict=False) as stores:
+        assert [i["step"] for i in read_incidents(stores)] == [5]
+    assert len(stores.problems) == 1 and "write-ahead log" in stores.problems[0].reason
+    with pytest.raises(StoreError, match="cannot be opened read-only"):
+        open_reader(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no -shm created
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes whatever the permissions say")
+def test_a_read_only_run_directory_is_read_without_writing(tmp_path):
+    run_dir = tmp_path / "run"
+    finished_store(rank_db_path(run_dir, 0), 0, 5)
+    live = Store(rank_db_path(tmp_path / "live", 1))  # a writer killed mid-run: its WAL holds the incident
+    write_incident(live, 1, 1, 3)
+    for suffix in ("", "-wal", "-shm"):
+        shutil.copy(f"{live.path}{suffix}", f"{rank_db_path(run_dir, 1)}{suffix}")
+    live.close()
+    for path in run_dir.iterdir():
+        path.chmod(0o444)
+    run_dir.chmod(0o555)
+    try:
+        before = snapshot(run_dir)
+        assert [(i["step"], i["rank"]) for i in read_incidents(run_dir)] == [(3, 1), (5, 0)]
+        assert unchanged_since(run_dir) == before
+    finally:
+        run_dir.chmod(0o755)

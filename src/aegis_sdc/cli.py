@@ -3,29 +3,116 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from aegis_sdc.store.sqlite import RunStores, StoreProblem
 
 app = typer.Typer(
     help="aegis-sdc: online detection of silent data corruption in PyTorch training.", no_args_is_help=True
 )
 
 
+# Checks of the demo's and the study's options. They run while the command line is parsed, before
+# any work: a bad value ends the command with a usage error naming the option (exit status 2), not
+# with a traceback from deep inside a run, possibly minutes into it.
+
+# Seeds reach torch's generators (which take −2⁶³..2⁶⁴ − 1; the demo and the study add small offsets
+# for their derived streams) and the fault's int64 hash keys: the int64 range fits them all.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _probability_option(value: float) -> float:
+    if not 0.0 <= value <= 1.0:  # NaN fails this too (click's FloatRange lets NaN through)
+        raise typer.BadParameter(f"must be a probability in [0, 1], got {value}")
+    return value
+
+
+def _run_dir_option(value: Path | None) -> Path | None:
+    """A directory that exists, or can be created: the nearest existing path is a writable directory."""
+    if value is None:
+        return None
+    try:
+        if value.exists() and not value.is_dir():
+            raise typer.BadParameter(f"{value} exists and is not a directory")
+        nearest = next(path for path in (value, *value.absolute().parents) if path.exists())
+    except OSError as error:
+        raise typer.BadParameter(f"{value}: {error.strerror or error}") from error
+    if not nearest.is_dir():
+        raise typer.BadParameter(f"{value} cannot be created: {nearest} is not a directory")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        action = "written to" if nearest == value else "created"
+        raise typer.BadParameter(f"{value} cannot be {action}: {nearest} is not writable")
+    return value
+
+
+def _require_cuda(index: int | None) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise typer.BadParameter("CUDA was asked for but no CUDA device is available")
+    if index is not None and index >= torch.cuda.device_count():
+        raise typer.BadParameter(f"there is no cuda:{index} (CUDA devices here: {torch.cuda.device_count()})")
+
+
+def _demo_device_option(value: str) -> str:
+    if value not in ("auto", "cpu", "cuda"):
+        raise typer.BadParameter(f"must be auto, cpu or cuda, got {value!r}")
+    if value == "cuda":
+        _require_cuda(None)
+    return value
+
+
+def _study_device_option(value: str | None) -> str | None:
+    """A CPU or an available CUDA device (the study's replicas train on these two kinds only)."""
+    if value is None or value == "cpu":
+        return value
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise typer.BadParameter(f"{value!r} is not a device") from error
+    if device.type != "cuda":
+        raise typer.BadParameter(f"the study runs on cpu or cuda devices, got {value!r}")
+    _require_cuda(device.index)
+    return value
+
+
+def _study_mode_option(value: str) -> str:
+    from aegis_sdc.study.config import MODES
+
+    if value not in MODES:
+        raise typer.BadParameter(f"must be one of {', '.join(MODES)}, got {value!r}")
+    return value
+
+
 @app.command()
 def demo(
-    steps: int = typer.Option(400, help="Training steps (about two minutes on two CPU cores)."),
+    steps: int = typer.Option(400, min=1, help="Training steps (about two minutes on two CPU cores)."),
     no_fault: bool = typer.Option(False, "--no-fault", help="Inject nothing: the run must confirm zero incidents."),
     fault_site: str = typer.Option("layers.1.mlp.up_proj:fwd", help="Site whose accumulator the faulty unit corrupts."),
-    fault_probability: float = typer.Option(0.03, help="Probability per call that the fault strikes."),
-    fault_start: int = typer.Option(100, help="First step at which the fault may strike."),
-    run_dir: Path = typer.Option(None, help="Run directory (default: aegis-runs/<run id>)."),
-    device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
-    seed: int = typer.Option(0, help="Seed of the model, the data and the fault."),
+    fault_probability: float = typer.Option(
+        0.03, callback=_probability_option, help="Probability per call that the fault strikes."
+    ),
+    fault_start: int = typer.Option(100, min=0, help="First step at which the fault may strike."),
+    run_dir: Path = typer.Option(None, callback=_run_dir_option, help="Run directory (default: aegis-runs/<run id>)."),
+    device: str = typer.Option("auto", callback=_demo_device_option, help="auto (CUDA when present), cpu or cuda."),
+    seed: int = typer.Option(0, min=SEED_MIN, max=SEED_MAX, help="Seed of the model, the data and the fault."),
 ) -> None:
     """Train a small Llama-style model with every Linear protected while a faulty matrix unit strikes."""
+    if not no_fault and not fault_site:
+        raise typer.BadParameter("the faulty site must be named (an fnmatch pattern)", param_hint="'--fault-site'")
+    if not no_fault and fault_probability == 0.0:
+        raise typer.BadParameter("0 never strikes; --no-fault runs without a fault", param_hint="'--fault-probability'")
+
     from aegis_sdc.demo import DemoConfig, run_demo
 
     try:
@@ -49,22 +136,32 @@ DEFAULT_STUDY_FAULT = "layers.1.mlp.up_proj:fwd@model=bitflip,bit=30,probability
 
 @app.command()
 def study(
-    mode: str = typer.Option(..., help="compute-sync, param-sync or free-run (docs/study.md)."),
+    mode: str = typer.Option(
+        ..., callback=_study_mode_option, help="compute-sync, param-sync or free-run (docs/study.md)."
+    ),
     fault: list[str] = typer.Option(
         None,
         help="A fault of the suspect, SITE@field=value,... (repeatable; FaultSpec fields, steps as 40+100-104). "
         f"Default: {DEFAULT_STUDY_FAULT}",
     ),
     no_fault: bool = typer.Option(False, "--no-fault", help="A control study: every metric must stay exactly zero."),
-    steps: int = typer.Option(300, help="Training steps."),
-    seed: int = typer.Option(0, help="Seed of the model, the data and the faults' draws."),
-    baseline_seed: int = typer.Option(1, help="free-run: sample-order seed of the reseeded healthy baseline."),
-    device: str = typer.Option("cpu", help="Device of the healthy replica (cpu, cuda, cuda:0, ...)."),
-    suspect_device: str = typer.Option(None, help="Device of the suspect (default: the healthy one's)."),
-    batch_size: int = typer.Option(8, help="Sequences per step."),
-    seq_len: int = typer.Option(128, help="Tokens per sequence."),
-    finetune_steps: int = typer.Option(100, help="free-run: fine-tuning steps on the held-out task."),
-    run_dir: Path = typer.Option(None, help="Run directory (default: aegis-runs/study-<mode>-<time>)."),
+    steps: int = typer.Option(300, min=1, help="Training steps."),
+    seed: int = typer.Option(0, min=SEED_MIN, max=SEED_MAX, help="Seed of the model, the data and the faults' draws."),
+    baseline_seed: int = typer.Option(
+        1, min=SEED_MIN, max=SEED_MAX, help="free-run: sample-order seed of the reseeded healthy baseline."
+    ),
+    device: str = typer.Option(
+        "cpu", callback=_study_device_option, help="Device of the healthy replica (cpu, cuda, cuda:0, ...)."
+    ),
+    suspect_device: str = typer.Option(
+        None, callback=_study_device_option, help="Device of the suspect (default: the healthy one's)."
+    ),
+    batch_size: int = typer.Option(8, min=1, help="Sequences per step."),
+    seq_len: int = typer.Option(128, min=1, help="Tokens per sequence."),
+    finetune_steps: int = typer.Option(100, min=0, help="free-run: fine-tuning steps on the held-out task."),
+    run_dir: Path = typer.Option(
+        None, callback=_run_dir_option, help="Run directory (default: aegis-runs/study-<mode>-<time>)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Train a healthy and a suspect replica side by side and measure what the suspect's faults do."""
@@ -74,9 +171,20 @@ def study(
     from aegis_sdc.study.config import StudyConfig
     from aegis_sdc.study.harness import run_study
     from aegis_sdc.study.modes import NondeterminismError
+    from aegis_sdc.workloads.llama import LlamaConfig
 
+    # What the options' own checks cannot see: their combinations, and the faults' fields.
+    if no_fault and fault:
+        raise typer.BadParameter("a control study takes no --fault", param_hint="'--no-fault'")
+    if seq_len > LlamaConfig().max_seq_len:
+        raise typer.BadParameter(f"at most the model's {LlamaConfig().max_seq_len} tokens", param_hint="'--seq-len'")
+    if baseline_seed == seed:
+        raise typer.BadParameter("must differ from --seed (it seeds the reseeded run)", param_hint="'--baseline-seed'")
     try:
         specs = () if no_fault else tuple(FaultSpec.parse(text) for text in (fault or [DEFAULT_STUDY_FAULT]))
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="'--fault'") from error
+    try:
         cfg = StudyConfig(
             mode=mode,
             steps=steps,
@@ -168,14 +276,84 @@ def _print_study(console: Console, result) -> None:
     console.print(table)
 
 
+# -- reading a run directory: nothing a store holds is trusted -------------------------------------------
+def _shown(value: object) -> str:
+    """Text read from a store (site names, messages, hosts: whatever a file holds) as literal console
+    text: rich markup escaped (a site named `[/x]` would close a style nobody opened and crash the
+    print) and every unprintable character written as its escape (`\\x1b`), so ANSI sequences,
+    newlines and bidi overrides never reach the terminal as such. Every stored value printed goes
+    through here."""
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return escape(text)
+
+
+def _number(value: object) -> str:
+    """A stored number in 3 significant digits; anything else a store holds there as its text."""
+    return f"{value:.3g}" if isinstance(value, (int, float)) else str(value)
+
+
+def _console(*, stderr: bool = False) -> Console:
+    # emoji off: rich would turn a stored `:name:` into an emoji; soft wrap on stderr: a problem is one
+    # line, whatever the terminal's width
+    return Console(stderr=stderr, emoji=False, soft_wrap=stderr)
+
+
+def _open_run(run_dir: Path) -> RunStores:
+    """The stores of `run_dir`, opened read-only to read what can be read; exit status 2 when not one
+    can be read (a missing directory, no store, or only unreadable ones, each named on stderr)."""
+    from aegis_sdc.store.sqlite import RunStores, StoreError
+
+    try:
+        stores = RunStores(run_dir, strict=False)
+    except StoreError as error:
+        _console(stderr=True).print(f"error: {_shown(error)}")
+        raise typer.Exit(2) from error
+    if not stores.databases:
+        _print_problems(stores.problems)
+        _console(stderr=True).print(f"error: no readable aegis store in {_shown(run_dir)}")
+        raise typer.Exit(2)
+    return stores
+
+
+def _print_problems(problems: list[StoreProblem]) -> bool:
+    """One stderr line per file not read (error) or not read whole (warning), naming it; True if any."""
+    console = _console(stderr=True)
+    for problem in problems:
+        console.print(f"{'error' if problem.skipped else 'warning'}: {_shown(problem)}")
+    if problems:
+        console.print(f"{len(problems)} problem(s) reading the run directory: what could be read is shown")
+    return bool(problems)
+
+
+def _incident_cells(incident: dict[str, Any]) -> list[str]:
+    """An incident's table row; the evidence and verdict are whatever the store's record holds."""
+    e, v = incident["evidence"], incident["verdict"]
+    try:
+        spans = v.get("mismatched_tiles") or ()
+        tiles = "; ".join(f"{t['row_start']}:{t['row_stop']}×{t['col_start']}:{t['col_stop']}" for t in spans)
+        evidence = f"{e['channel']} {_number(e['value'])} > {_number(e['threshold'])}"
+        verdict = f"{v.get('wrong_execution') or '-'}" + (" (no effect on output)" * bool(v.get("no_effect_on_output")))
+    except (KeyError, TypeError, ValueError) as error:
+        tiles, evidence, verdict = "", "?", f"unreadable record ({type(error).__name__}: {error})"
+    device = f"{incident['host']} {incident['device']}" + (f" {incident['gpu_uuid']}" if incident["gpu_uuid"] else "")
+    cells = (incident["id"], incident["step"], incident["rank"], device, incident["site"], evidence,
+             verdict + (f"; tiles {tiles}" if tiles else ""))  # fmt: skip
+    return [_shown(cell) for cell in cells]
+
+
 @app.command()
 def incidents(
     run_dir: Path = typer.Argument(..., help="A run directory holding aegis-rank*.sqlite stores."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """List the confirmed incidents of a run, all ranks merged."""
+    """List the confirmed incidents of a run, all ranks merged.
+
+    Stores are opened read-only and checked first; a file that cannot be read, or is damaged, is named
+    on stderr and the others are listed: exit status 1. Exit status 2: nothing could be read.
+    """
     from aegis_sdc.store.sqlite import (
-        StoreError,
         read_coverage,
         read_incidents,
         read_unattributed,
@@ -183,43 +361,41 @@ def incidents(
         read_warnings,
     )
 
-    try:
-        rows = read_incidents(run_dir)
-        counts = read_verdict_counts(run_dir)
-        warnings = read_warnings(run_dir)
-        unattributed = read_unattributed(run_dir)
-        coverage = read_coverage(run_dir)
-    except StoreError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2) from error
+    with _open_run(run_dir) as stores:
+        rows = read_incidents(stores)
+        counts = read_verdict_counts(stores)
+        warnings = read_warnings(stores)
+        unattributed = read_unattributed(stores)
+        coverage = read_coverage(stores)
     if as_json:
+        problems = [{"path": str(p.path), "reason": p.reason, "skipped": p.skipped} for p in stores.problems]
         report = {"run_dir": str(run_dir), "verdicts": counts, "incidents": rows, "warnings": warnings,
-                  "unattributed": unattributed, "coverage": coverage}  # fmt: skip
-        typer.echo(json.dumps(report, indent=2))
-        return
-    console = Console()
-    table = Table(title=f"confirmed incidents in {run_dir}", title_justify="left")
+                  "unattributed": unattributed, "coverage": coverage, "problems": problems}  # fmt: skip
+        typer.echo(json.dumps(report, indent=2))  # JSON escapes control characters itself
+    else:
+        _print_incidents(run_dir, rows, counts, warnings, unattributed, coverage)
+    if _print_problems(stores.problems):
+        raise typer.Exit(1)
+
+
+def _print_incidents(
+    run_dir: Path,
+    rows: list[dict[str, Any]],
+    counts: dict[str, int],
+    warnings: list[dict[str, Any]],
+    unattributed: list[dict[str, Any]],
+    coverage: dict[str, Any],
+) -> None:
+    console = _console()
+    table = Table(title=f"confirmed incidents in {_shown(run_dir)}", title_justify="left")
     for column in ("id", "step", "rank", "device", "site", "evidence", "verdict"):
         table.add_column(column, overflow="fold")
     for r in rows:
-        e, v = r["evidence"], r["verdict"]
-        tiles = "; ".join(
-            f"{t['row_start']}:{t['row_stop']}×{t['col_start']}:{t['col_stop']}" for t in v["mismatched_tiles"]
-        )
-        device = f"{r['host']} {r['device']}" + (f" {r['gpu_uuid']}" if r["gpu_uuid"] else "")
-        verdict = (v["wrong_execution"] or "-") + (" (no effect on output)" if v["no_effect_on_output"] else "")
-        table.add_row(
-            str(r["id"]),
-            str(r["step"]),
-            str(r["rank"]),
-            device,
-            r["site"],
-            f"{e['channel']} {e['value']:.3g} > {e['threshold']:.3g}",
-            verdict + (f"; tiles {tiles}" if tiles else ""),
-        )
+        table.add_row(*_incident_cells(r))
     console.print(table)
     console.print(
-        f"{len(rows)} confirmed; verdicts: " + (", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "none")
+        f"{len(rows)} confirmed; verdicts: "
+        + (", ".join(f"{_shown(k)} {n}" for k, n in sorted(counts.items())) or "none")
     )
     if coverage["checked_flops_fraction"] is not None:
         console.print(
@@ -229,11 +405,13 @@ def incidents(
     if unattributed:
         console.print(f"corruptions proven but pinned on no device (no majority): {len(unattributed)}")
         for event in unattributed[:20]:
-            console.print(f"  step {event['step']}, check failed on rank {event['rank']}: {event['message']}")
+            console.print(
+                f"  step {_shown(event['step'])}, check failed on rank {event['rank']}: {_shown(event['message'])}"
+            )
     if warnings:
         console.print(f"rank-outlier warnings (heuristic, not confirmed): {len(warnings)}")
         for warning in warnings[:20]:
-            console.print(f"  {warning['message']}")
+            console.print(f"  {_shown(warning['message'])}")
 
 
 @app.command()
@@ -241,16 +419,23 @@ def report(
     run_dir: Path = typer.Argument(..., help="A run directory holding aegis-rank*.sqlite stores."),
     out: Path = typer.Option(None, "--out", help="The HTML file to write (default: RUN_DIR/aegis-report.html)."),
 ) -> None:
-    """Write one self-contained HTML page of a run: incidents, timeline, sites, coverage, verification."""
-    from aegis_sdc.report.html import write_report
-    from aegis_sdc.store.sqlite import StoreError
+    """Write one self-contained HTML page of a run: incidents, timeline, sites, coverage, verification.
 
-    try:
-        path = write_report(run_dir, out)
-    except StoreError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2) from error
+    Stores are read as `aegis incidents` reads them (exit status 1: a file was skipped or is damaged,
+    named on stderr; 2: nothing could be read, or the page could not be written).
+    """
+    from aegis_sdc.report.html import write_report
+
+    with _open_run(run_dir) as stores:
+        try:
+            path = write_report(stores, out)
+        except OSError as error:  # a read-only run directory: the page goes elsewhere
+            _print_problems(stores.problems)
+            _console(stderr=True).print(f"error: cannot write the page ({_shown(error)}); choose another with --out")
+            raise typer.Exit(2) from error
     typer.echo(str(path))
+    if _print_problems(stores.problems):
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

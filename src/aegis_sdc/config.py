@@ -1,19 +1,22 @@
 """Configuration: frozen dataclasses that reject bad values with a message naming the field.
 
-Every constant has a default chosen for LLM training and a comment saying why; docs/configuration.md
-lists them all.
+Every field is checked at construction, its type (TypeError) and its range (ValueError): an int
+field takes an int (not a bool, not a float), a number field a finite real number (an int too), a
+flag a bool. Every constant has a default chosen for LLM training and a comment saying why;
+docs/configuration.md lists them all.
 """
 
 from __future__ import annotations
 
-import math
+import datetime
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aegis_sdc.faults.models import FaultSpec
+from aegis_sdc.validation import INT64_MAX, INT64_MIN, check_bool, check_choice, check_int, check_real, set_field, shown
 
 CHECK_MODES = ("row", "row+col")
 AUTO_BUDGET = 0.01  # SamplingConfig(budget="auto") on CUDA: 1% of the step (see SamplingConfig)
@@ -25,9 +28,42 @@ BACKENDS = ("auto", "reference", "triton")
 EXIT_CODE_SDC = 86
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
+# The per-step exchange's gloo group takes its timeout as a datetime.timedelta, which holds at most
+# this many seconds (about 2.7 million years: the bound only turns an overflow into a clear error).
+MAX_EXCHANGE_TIMEOUT_S = datetime.timedelta.max // datetime.timedelta(seconds=1)
+
+# The field checks shared with FaultSpec are in validation.py; the three below are configuration's own.
+
+
+def _check_instance(owner: str, name: str, value: object, *, kind: type) -> Any:
+    if not isinstance(value, kind):
+        raise TypeError(f"{owner}.{name} must be a {kind.__name__}, got {shown(value)}")
+    return value
+
+
+def _check_items(owner: str, name: str, value: object, *, kind: type, single: bool = False) -> tuple[Any, ...]:
+    """A tuple of `kind` from any iterable of them (or from one alone when `single`)."""
+    if single and isinstance(value, kind):
+        return (value,)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{owner}.{name} must be a tuple of {kind.__name__}, got {shown(value)}")
+    items = tuple(value)
+    for i, item in enumerate(items):
+        _check_instance(owner, f"{name}[{i}]", item, kind=kind)
+    return items
+
+
+def _check_path(owner: str, name: str, value: object, *, optional: bool = False) -> str | None:
+    """A non-empty path as a str (an os.PathLike is converted); None too when `optional`."""
+    if optional and value is None:
+        return None
+    expected = "a non-empty path (str or os.PathLike)" + (" or None" if optional else "")
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str):
+        raise TypeError(f"{owner}.{name} must be {expected}, got {shown(value)}")
+    if not path or "\0" in path:  # "" would silently mean the default; NUL no system accepts
+        raise ValueError(f"{owner}.{name} must be {expected}, got {path!r}")
+    return path
 
 
 @dataclass(frozen=True)
@@ -46,8 +82,7 @@ class ChecksumConfig:
 
     def __post_init__(self) -> None:
         for name in ("forward", "dgrad", "wgrad"):
-            value = getattr(self, name)
-            _require(value in CHECK_MODES, f"ChecksumConfig.{name} must be one of {CHECK_MODES}, got {value!r}")
+            set_field(self, name, check_choice, choices=CHECK_MODES)
 
     @classmethod
     def all(cls, mode: str) -> ChecksumConfig:
@@ -85,12 +120,12 @@ class ThresholdConfig:
     data_outlier_factor: float = 100.0
 
     def __post_init__(self) -> None:
-        _require(self.calibration_checks >= 1, "ThresholdConfig.calibration_checks must be >= 1")
-        _require(math.isfinite(self.margin) and self.margin >= 1.0, "ThresholdConfig.margin must be >= 1")
-        _require(math.isfinite(self.backoff) and self.backoff > 1.0, "ThresholdConfig.backoff must be > 1")
-        _require(self.relax_window >= 1, "ThresholdConfig.relax_window must be >= 1")
-        _require(math.isfinite(self.floor) and self.floor > 0, "ThresholdConfig.floor must be > 0")
-        _require(self.data_outlier_factor > 1, "ThresholdConfig.data_outlier_factor must be > 1")
+        set_field(self, "calibration_checks", check_int, ge=1)
+        set_field(self, "margin", check_real, ge=1.0)
+        set_field(self, "backoff", check_real, gt=1.0)
+        set_field(self, "relax_window", check_int, ge=1)
+        set_field(self, "floor", check_real, gt=0.0)
+        set_field(self, "data_outlier_factor", check_real, gt=1.0)
 
 
 @dataclass(frozen=True)
@@ -145,26 +180,39 @@ class SamplingConfig:
         return cls(probability=1.0, budget=None, **kwargs)
 
     def __post_init__(self) -> None:
-        rules = self.per_site.items() if isinstance(self.per_site, Mapping) else self.per_site
-        rules = tuple((str(p), float(q)) for p, q in rules)
-        object.__setattr__(self, "per_site", rules)
-        for pattern, probability in (("*default*", self.probability_for("cpu")), *rules):
-            _require(
-                0.0 <= probability <= 1.0,
-                f"SamplingConfig probability for {pattern!r} must lie in [0, 1], got {probability}",
-            )
-        _require(
-            self.budget is None
-            or self.budget == "auto"
-            or (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and 0.0 < self.budget <= 1.0),
-            f"SamplingConfig.budget must be a fraction of the step in (0, 1], 'auto' or None, got {self.budget!r}",
+        set_field(self, "probability", check_real, ge=0.0, le=1.0, optional=True)
+        object.__setattr__(self, "per_site", _per_site_rules(self.per_site))
+        set_field(self, "seed", check_int, ge=INT64_MIN, le=INT64_MAX)
+        if isinstance(self.budget, str):
+            if self.budget != "auto":
+                raise ValueError(
+                    f"SamplingConfig.budget must be a fraction of the step in (0, 1], 'auto' or None, "
+                    f"got {self.budget!r}"
+                )
+        else:
+            set_field(self, "budget", check_real, gt=0.0, le=1.0, optional=True)
+        if self.probability is not None and isinstance(self.budget, float):
+            raise ValueError("SamplingConfig takes a probability or a budget, not both")
+        set_field(self, "rotation_steps", check_int, ge=1)
+        set_field(self, "replan_steps", check_int, ge=1)
+
+
+def _per_site_rules(value: object) -> tuple[tuple[str, float], ...]:
+    """`SamplingConfig.per_site` as (fnmatch pattern, probability) pairs, from a mapping or pairs."""
+    rules = value.items() if isinstance(value, Mapping) else value
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+        raise TypeError(
+            f"SamplingConfig.per_site must be a mapping or (pattern, probability) pairs, got {shown(value)}"
         )
-        _require(
-            self.probability is None or not isinstance(self.budget, (int, float)) or self.budget is None,
-            "SamplingConfig takes a probability or a budget, not both",
-        )
-        _require(self.rotation_steps >= 1, "SamplingConfig.rotation_steps must be >= 1")
-        _require(self.replan_steps >= 1, "SamplingConfig.replan_steps must be >= 1")
+    checked = []
+    for i, rule in enumerate(rules):
+        if isinstance(rule, (str, bytes)) or not isinstance(rule, Sequence) or len(rule) != 2:
+            raise TypeError(f"SamplingConfig.per_site[{i}] must be a (pattern, probability) pair, got {shown(rule)}")
+        pattern, probability = rule
+        if not isinstance(pattern, str):
+            raise TypeError(f"SamplingConfig.per_site[{i}] pattern must be a str, got {shown(pattern)}")
+        checked.append((pattern, check_real("SamplingConfig", f"per_site[{pattern!r}]", probability, ge=0.0, le=1.0)))
+    return tuple(checked)
 
 
 @dataclass(frozen=True)
@@ -186,12 +234,10 @@ class VerifyConfig:
     col_block: int = 128
 
     def __post_init__(self) -> None:
-        _require(
-            math.isfinite(self.time_budget_ms) and self.time_budget_ms >= 0,
-            "VerifyConfig.time_budget_ms must be >= 0",
-        )
-        _require(self.max_backlog >= 0, "VerifyConfig.max_backlog must be >= 0")
-        _require(self.row_block >= 1 and self.col_block >= 1, "VerifyConfig tile blocks must be >= 1")
+        set_field(self, "time_budget_ms", check_real, ge=0.0)
+        set_field(self, "max_backlog", check_int, ge=0)
+        set_field(self, "row_block", check_int, ge=1)
+        set_field(self, "col_block", check_int, ge=1)
 
 
 @dataclass(frozen=True)
@@ -214,8 +260,10 @@ class ResponseConfig:
     exit_code: int = EXIT_CODE_SDC
 
     def __post_init__(self) -> None:
-        _require(self.policy in POLICIES, f"ResponseConfig.policy must be one of {POLICIES}, got {self.policy!r}")
-        _require(1 <= self.exit_code <= 255, "ResponseConfig.exit_code must lie in 1..255")
+        set_field(self, "policy", check_choice, choices=POLICIES)
+        set_field(self, "quarantine", check_bool)
+        set_field(self, "quarantine_path", _check_path, optional=True)
+        set_field(self, "exit_code", check_int, ge=1, le=255)  # a process exit status; 0 would mean success
 
 
 @dataclass(frozen=True)
@@ -266,17 +314,16 @@ class DistributedConfig:
     peer_replay_period: int = 200
 
     def __post_init__(self) -> None:
-        _require(
-            math.isfinite(self.outlier_factor) and self.outlier_factor > 1,
-            "DistributedConfig.outlier_factor must be > 1",
-        )
-        _require(0.0 <= self.outlier_quantile <= 1.0, "DistributedConfig.outlier_quantile must lie in [0, 1]")
-        _require(self.warmup_steps >= 0, "DistributedConfig.warmup_steps must be >= 0")
-        _require(self.exchange_timeout_s > 0, "DistributedConfig.exchange_timeout_s must be > 0")
-        _require(self.comm_chunks >= 1, "DistributedConfig.comm_chunks must be >= 1")
-        _require(self.vote_param_slices >= 1, "DistributedConfig.vote_param_slices must be >= 1")
-        _require(self.vote_state_slices >= 1, "DistributedConfig.vote_state_slices must be >= 1")
-        _require(self.peer_replay_period >= 0, "DistributedConfig.peer_replay_period must be >= 0")
+        set_field(self, "outlier_factor", check_real, gt=1.0)
+        set_field(self, "outlier_quantile", check_real, ge=0.0, le=1.0)
+        set_field(self, "warmup_steps", check_int, ge=0)
+        set_field(self, "exchange_timeout_s", check_real, gt=0.0, le=MAX_EXCHANGE_TIMEOUT_S)
+        set_field(self, "comm_check", check_bool)
+        set_field(self, "comm_chunks", check_int, ge=1)
+        set_field(self, "state_vote", check_bool)
+        set_field(self, "vote_param_slices", check_int, ge=1)
+        set_field(self, "vote_state_slices", check_int, ge=1)
+        set_field(self, "peer_replay_period", check_int, ge=0)
 
 
 @dataclass(frozen=True)
@@ -312,12 +359,13 @@ class FingerprintConfig:
     pool_slots: int = 4096
 
     def __post_init__(self) -> None:
+        for name in ("recompute", "saved_tensors"):
+            set_field(self, name, check_bool)
         for name in ("recompute_probability", "saved_probability"):
-            value = getattr(self, name)
-            _require(0.0 <= value <= 1.0, f"FingerprintConfig.{name} must lie in [0, 1], got {value}")
-        _require(self.calibration_checks >= 0, "FingerprintConfig.calibration_checks must be >= 0")
-        _require(self.saved_min_bytes >= 4, "FingerprintConfig.saved_min_bytes must be >= 4")
-        _require(self.pool_slots >= 1, "FingerprintConfig.pool_slots must be >= 1")
+            set_field(self, name, check_real, ge=0.0, le=1.0)
+        set_field(self, "calibration_checks", check_int, ge=0)
+        set_field(self, "saved_min_bytes", check_int, ge=4)
+        set_field(self, "pool_slots", check_int, ge=1)
 
 
 @dataclass(frozen=True)
@@ -342,16 +390,27 @@ class UpdateReplayConfig:
     every: int = 4
 
     def __post_init__(self) -> None:
-        _require(self.slices >= 1, "UpdateReplayConfig.slices must be >= 1")
-        _require(self.every >= 1, "UpdateReplayConfig.every must be >= 1")
+        set_field(self, "enabled", check_bool)
+        set_field(self, "slices", check_int, ge=1)
+        set_field(self, "every", check_int, ge=1)
 
 
 def default_run_dir() -> str:
-    """``aegis-runs/<run id>``; the id comes from AEGIS_RUN_ID, torchrun's run id, or the start time."""
+    """``aegis-runs/<run id>``; the id comes from AEGIS_RUN_ID, torchrun's run id, or the start time.
+
+    An id from the environment becomes one directory name inside ``aegis-runs/`` whatever it holds:
+    every character outside ``[A-Za-z0-9._-]`` (a ``/`` above all) becomes ``_`` and a leading dot
+    gets a ``_`` before it, so ``../../x`` or an absolute path never puts the store elsewhere."""
     run_id = os.environ.get("AEGIS_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
     if not run_id or run_id == "none":
         run_id = time.strftime("run-%Y%m%d-%H%M%S")
-    return os.path.join("aegis-runs", run_id)
+    return os.path.join("aegis-runs", safe_run_id(run_id))
+
+
+def safe_run_id(run_id: str) -> str:
+    """`run_id` as a single, non-hidden directory name (see `default_run_dir`)."""
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in run_id)[:200]
+    return "_" + safe if safe.startswith(".") else safe
 
 
 @dataclass(frozen=True)
@@ -408,24 +467,15 @@ class GuardConfig:
             ("fingerprints", FingerprintConfig),
             ("update_replay", UpdateReplayConfig),
         ):
-            value = getattr(self, name)
-            _require(
-                isinstance(value, kind),
-                f"GuardConfig.{name} must be a {kind.__name__}, got {type(value).__name__}",
-            )
-        object.__setattr__(self, "faults", tuple(self.faults))
-        for fault in self.faults:
-            _require(
-                isinstance(fault, FaultSpec),
-                f"GuardConfig.faults must hold FaultSpec, got {type(fault).__name__}",
-            )
+            set_field(self, name, _check_instance, kind=kind)
+        set_field(self, "attention", check_bool)
+        set_field(self, "faults", _check_items, kind=FaultSpec)
         for name in ("include", "exclude"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                value = (value,)
-            object.__setattr__(self, name, tuple(value))
-        _require(self.max_pending_calls >= 1, "GuardConfig.max_pending_calls must be >= 1")
-        _require(self.backend in BACKENDS, f"GuardConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+            set_field(self, name, _check_items, kind=str, single=True)  # one pattern alone is taken as a tuple
+        set_field(self, "run_dir", _check_path, optional=True)
+        set_field(self, "max_pending_calls", check_int, ge=1)
+        set_field(self, "backend", check_choice, choices=BACKENDS)
+        set_field(self, "gate_optimizer", check_bool)
 
     def to_dict(self) -> dict[str, Any]:
         import dataclasses

@@ -31,7 +31,6 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,9 @@ import torch
 from torch import nn
 
 from aegis_sdc import __version__
-from aegis_sdc.config import GuardConfig, default_run_dir
+from aegis_sdc.bounded import BoundedLog
+from aegis_sdc.config import GuardConfig
+from aegis_sdc.distributed.agreement import check_agreement
 from aegis_sdc.distributed.comm_check import (
     CheckedReduceScatter,
     CommCapture,
@@ -76,7 +77,9 @@ from aegis_sdc.ops.cost import attention_check_cost_ms, check_cost_ms
 from aegis_sdc.ops.fingerprint import FingerprintPool
 from aegis_sdc.ops.gemm_replay import MODIFIED_BEFORE_REPLAY
 from aegis_sdc.ops.triton_linear import DeviceState, WeightSums
+from aegis_sdc.response.console import StepConsole
 from aegis_sdc.response.policies import Responder
+from aegis_sdc.response.quarantine import quarantine_entry
 from aegis_sdc.runtime import evidence as step_evidence
 from aegis_sdc.runtime.budget import BudgetController, BudgetPlan, StepTimer
 from aegis_sdc.runtime.coverage import CoverageReport, unprotected_modules
@@ -84,6 +87,7 @@ from aegis_sdc.runtime.evidence import Collected
 from aegis_sdc.runtime.gate import OptimizerGate, gateable
 from aegis_sdc.runtime.plan import GEMMS_PER_LINEAR, StepPlan
 from aegis_sdc.runtime.record import StepRecorder, StepReport
+from aegis_sdc.runtime.run_dir import open_run_store
 from aegis_sdc.runtime.sensor_cost import SensorClock, SensorCost
 from aegis_sdc.runtime.sites import SiteRegistry
 from aegis_sdc.sensors.attention import AttentionRecord, AttentionSensor
@@ -92,10 +96,13 @@ from aegis_sdc.sensors.gemm import CallRecord, GemmSensor, StepClock
 from aegis_sdc.sensors.sampling import Sampler
 from aegis_sdc.sensors.state_vote import StateVote, VoteCapture, VoteRecord, replica_sets
 from aegis_sdc.sensors.update_replay import UpdateCapture, UpdateReplay
-from aegis_sdc.store.sqlite import Store, rank_db_path
 from aegis_sdc.verify.verifier import Verifier
 
 log = logging.getLogger("aegis_sdc")
+
+# Forward passes with gradients at the first step, no optimizer and no guard.step(), before the guard
+# says that the loop has no step boundary (more than any gradient accumulation of one step runs).
+NO_BOUNDARY_FORWARDS = 64
 Listener = Callable[[str, Any], None]
 COMM_SLOTS = 256  # collectives exchanged per step (the exchange tensor has a fixed shape)
 
@@ -145,6 +152,13 @@ class GuardSummary:
     peer_replays: int = 0  # steps whose micro-batches peers recomputed (distributed/peer_replay.py)
     # per state sensor: its measured ms per firing, period in steps and ms per step (runtime/sensor_cost.py)
     state_sensor_costs: dict[str, dict] = field(default_factory=dict)
+    # a long run's overflow, counted (docs/operations.md): incidents, injected faults and outlier
+    # warnings no longer held in memory (the store has them), statistics-only step records the store
+    # could not take, console lines the rate limit held back, store records still waiting (a full disk)
+    records_dropped_from_memory: int = 0
+    store_records_dropped: int = 0
+    console_lines_held_back: int = 0
+    store_records_waiting: int = 0
 
     @property
     def false_alarm_rate(self) -> float:
@@ -191,7 +205,6 @@ class Guard:
         self.optimizer = optimizer
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.identity = identity or discover(device)
-        self.run_dir = Path(config.run_dir or default_run_dir())
         self.clock = StepClock()
         self.clock.step = start_step
         self.recorder: list[CallRecord] = []
@@ -204,16 +217,13 @@ class Guard:
         self.registry = SiteRegistry()
         self.sensors = self.registry.gemm  # GemmSensor by site id
         self.verifier = Verifier(config.verify)
-        self.responder = Responder(
-            config.response, config.response.quarantine_path or str(self.run_dir / "quarantine.jsonl")
-        )
-        self.incidents: list[Incident] = []
+        self.incidents: BoundedLog[Incident] = BoundedLog()  # the latest; the store has them all
         self.counts: Counter[str] = Counter()
         self._listeners: list[Listener] = []
         self._tiling = Tiling(config.verify.row_block, config.verify.col_block)
         self.device_state = DeviceState()
         self.weight_sums = WeightSums(self.plan)  # every active weight's sums per step, a pass per shape
-        self._steps_seen: set[int] = set()
+        self._steps_counted, self._last_step_counted = 0, None  # distinct steps that checked or verified
         self._pending_evidence: dict[int, Evidence] = {}  # vTask id → its evidence, until verified
         self._comm_values: dict[int, float] = {}  # this step: collective slot → largest mismatch / bound
         self._comm_slot: dict[int, int] = {}  # collective site id → its slot in the exchange
@@ -251,7 +261,24 @@ class Guard:
             raise ValueError(
                 "protect() found no nn.Linear to protect (check GuardConfig.include/exclude and the filter)"
             )
-        self.store = Store(rank_db_path(self.run_dir, self.identity.rank))
+        # the rank's store, locked for writing: one writer per store (runtime/run_dir.py)
+        self.run_dir, self.store = open_run_store(config.run_dir, self.identity.rank)
+        try:
+            self._open(model, optimizer, config, chosen, process_group)
+        except BaseException:
+            self._abandon()  # a failed protect() leaves the model as it was and the directory usable
+            raise
+
+    def _open(self, model: nn.Module, optimizer: Any, config: GuardConfig, chosen: Any, process_group: Any) -> None:
+        """The rest of the construction, with the store open."""
+        self.responder = Responder(
+            config.response, config.response.quarantine_path or str(self.run_dir / "quarantine.jsonl")
+        )
+        # devices the list names already are not named again; a committed incident whose device it does
+        # not name (a process killed between the two writes) is listed now: the store is the truth
+        self.responder.adopt_list()
+        self.responder.quarantine([quarantine_entry(record) for record in self.store.incident_records()])
+        self.console = StepConsole()
         self._next_vtask = 1 + (self.store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM vtasks").fetchone()[0])
         self._next_incident = 1 + (self.store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM incidents").fetchone()[0])
         self.attention_records: list[AttentionRecord] = []
@@ -276,7 +303,11 @@ class Guard:
         self.store.write_run(self.identity.to_dict(), config.to_dict(), _versions())
         self.step_recorder = StepRecorder(self.store, self.registry, self.injector, self.identity.rank)
         self.store.write_sites(self.registry.take_unwritten())
+        self._stopping = True  # False while closing under an exception of the user's (see __exit__)
         self._handles = []
+        self._forwards_at_start = 0
+        self._forward_watch = model.register_forward_pre_hook(self._count_forward)  # removed once moot
+        self._handles.append(self._forward_watch)
         self.update_replay: UpdateReplay | None = None  # with an optimizer: its update replayed by slices
         if optimizer is not None:
             self.attach_optimizer(optimizer)
@@ -286,9 +317,12 @@ class Guard:
         if process_group is None and isinstance(model, nn.parallel.DistributedDataParallel):
             process_group = model.process_group
         self.dist = make_context(process_group, dist_cfg.exchange_timeout_s)
-        self.outlier_warnings: list[OutlierWarning] = []
+        if self.dist is not None:  # ranks whose guards would not line up fail here, every one of them
+            check_agreement(self.dist, config, model, [s.name for s in self.sites], self._device.type)
+        self.outlier_warnings: BoundedLog[OutlierWarning] = BoundedLog()
         self.comm_sites: dict[str, Site] = {}
-        self.comm_checks = CommChecks(dist_cfg.comm_chunks, self._register_comm_site, self._comm_fault)
+        self.comm_checks = CommChecks(dist_cfg.comm_chunks, self._register_comm_site, self._comm_fault,
+                                      timeout_s=dist_cfg.exchange_timeout_s)  # fmt: skip
         self.state_vote: StateVote | None = None  # under DDP: the replicas vote on their state
         # The vote taken at a step's end is read and exchanged at the next step's end: its copy to the
         # host is long done by then, so no step waits for the device on its account.
@@ -503,7 +537,7 @@ class Guard:
         t = self.verifier.telemetry
         c = self.counts
         return GuardSummary(
-            steps=len(self._steps_seen),
+            steps=self._steps_counted,
             sites=len(self.sensors),
             checks=c["checks"],
             alarms=c["alarms"],
@@ -516,8 +550,8 @@ class Guard:
             max_latency_steps=t.max_latency_steps,
             max_latency_ms=t.max_latency_ms,
             replay_ms_total=t.replay_ms_total,
-            faults_injected=len(self.injector.log),
-            outlier_warnings=len(self.outlier_warnings),
+            faults_injected=self.injector.log.total,
+            outlier_warnings=self.outlier_warnings.total,
             fingerprint_checks=c["fingerprint_checks"],
             attention_checks=c["attention_checks"],
             not_deterministic=c[VerdictKind.NOT_DETERMINISTIC.value] + c["not_deterministic_calibration"],
@@ -530,6 +564,12 @@ class Guard:
             update_replays=self.update_replay.replays if self.update_replay else 0,
             peer_replays=self.peer_replay.replays if self.peer_replay else 0,
             state_sensor_costs={name: cost.to_dict() for name, cost in self.sensor_costs().items()},
+            records_dropped_from_memory=self.incidents.dropped
+            + self.injector.log.dropped
+            + self.outlier_warnings.dropped,
+            store_records_dropped=self.step_recorder.writer.dropped,
+            console_lines_held_back=self.console.limiter.suppressed_total,
+            store_records_waiting=self.step_recorder.writer.waiting,
         )
 
     def sensor_costs(self) -> dict[str, SensorCost]:
@@ -621,18 +661,51 @@ class Guard:
             restore_linears(self._swaps)
             if self.dist is not None:
                 self.dist.close()
-            self.step_recorder.close()  # every queued step row committed, on this thread from now on
             summary = self.summary()
-            self.store.finish_run(summary.to_dict())
+            self.console.close()
+            self.responder.retry_quarantine()
+            self.step_recorder.close(summary.to_dict())  # every queued row tried, the run's summary last
             self.store.close()
             self.closed = True
         return summary
 
+    def _abandon(self) -> None:
+        """Undo a construction that failed part way: hooks off, modules restored, store unlocked."""
+        with contextlib.suppress(Exception):
+            for handle in getattr(self, "_handles", ()):
+                handle.remove()
+            for checker in getattr(self, "_checkers", ()):
+                checker.uninstall()
+            if getattr(self, "_router", None) is not None:
+                self._router.uninstall()
+            if hasattr(self, "_swaps"):
+                restore_linears(self._swaps)
+            if getattr(self, "dist", None) is not None:
+                self.dist.close()
+            if hasattr(self, "step_recorder"):
+                self.step_recorder.close()
+        self.store.close()
+        self.closed = True
+
     def __enter__(self) -> Guard:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        # The user's exception is what the with block ends with: a confirmed SDC found while closing
+        # is committed, logged and quarantined as always, and named on that exception — a `raise` or
+        # `exit` policy does not replace it.
+        self._stopping = False
+        try:
+            summary = self.close()
+        except Exception as error:
+            exc.add_note(f"aegis-sdc: closing the guard failed as well: {error!r}")
+            return
+        if summary.confirmed or summary.unattributed:
+            last = self.incidents[-1].describe() if self.incidents else "none attributed to a device"
+            exc.add_note(f"aegis-sdc: {summary.confirmed} confirmed SDC(s) in this run (the last: {last})")
 
     # -- internals -------------------------------------------------------------------------------
     def _require_open(self) -> None:
@@ -796,15 +869,30 @@ class Guard:
 
     def _after_call(self) -> None:
         if len(self.recorder) >= self.config.max_pending_calls:
-            if self.optimizer is None and self.clock.step == self._start_step and not self._warned_no_boundary:
-                self._warned_no_boundary = True
-                warnings.warn(
-                    f"aegis-sdc: {len(self.recorder)} checked calls and no step boundary yet: pass the optimizer "
-                    "that steps the model (protect(model, optimizer=...) or guard.attach_optimizer), or call "
-                    "guard.step() after each backward; with transformers' Trainer use "
-                    "aegis_sdc.integrations.hf.protect_trainer(trainer)", stacklevel=3,
-                )  # fmt: skip
+            if self.optimizer is None and self.clock.step == self._start_step:
+                self._warn_no_boundary(f"{len(self.recorder)} checked calls")
             self.flush()
+
+    def _count_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook of the model while no optimizer is attached: many forwards with gradients
+        and still no step boundary mean every check is counted as the first step."""
+        if torch.is_grad_enabled() and self.optimizer is None and self.clock.step == self._start_step:
+            self._forwards_at_start += 1
+            if self._forwards_at_start >= NO_BOUNDARY_FORWARDS:
+                self._warn_no_boundary(f"{self._forwards_at_start} forward passes with gradients")
+        if self._warned_no_boundary or self.optimizer is not None or self.clock.step != self._start_step:
+            self._forward_watch.remove()  # nothing left to watch for: off the hot path
+
+    def _warn_no_boundary(self, seen: str) -> None:
+        if self._warned_no_boundary:
+            return
+        self._warned_no_boundary = True
+        message = (f"{seen} and no step boundary yet: every check is counted as step {self._start_step}. Pass "
+                   "the optimizer that steps the model (protect(model, optimizer=...) or guard.attach_optimizer), "
+                   "or call guard.step() after each backward; with transformers' Trainer use "
+                   "aegis_sdc.integrations.hf.protect_trainer(trainer)")  # fmt: skip
+        warnings.warn(f"aegis-sdc: {message}", stacklevel=4)
+        self._pending_events.append(("no_step_boundary", message, None))
 
     def _emit(self, event: str, payload: Any) -> None:
         for listener in self._listeners:
@@ -848,8 +936,8 @@ class Guard:
         self._verify(report, evidence_of, drain=drain)
         self.counts["checks"] += report.checks
         self.counts["alarms"] += len(report.alarms)
-        if collected.records or report.verdicts:
-            self._steps_seen.add(collected.step)
+        if (collected.records or report.verdicts) and collected.step != self._last_step_counted:
+            self._steps_counted, self._last_step_counted = self._steps_counted + 1, collected.step
         if self.injector and not self._fault_sites_named and (collected.records or collected.attention):
             self._name_unmatched_faults(report)
         self._record(report)
@@ -972,7 +1060,7 @@ class Guard:
                 self._next_incident += 1
                 report.incidents.append(incident)
         self.incidents.extend(report.incidents)
-        _log_nonfinite_inputs(report.verdicts)
+        _log_nonfinite_inputs(self.console, report.verdicts)
 
     def _respond(self, report: StepReport) -> None:
         """Tell the listeners, then act on confirmed incidents by the configured policy (which may raise)."""
@@ -986,7 +1074,9 @@ class Guard:
             self._emit("warning", warning)
         self._emit("step", report)
         unattributed = [v for v in report.verdicts if v.kind is VerdictKind.UNATTRIBUTED]
-        self.responder.respond(report.incidents, self.optimizer, unattributed)
+        self.console.step(report.step, report.verdicts, report.incidents, len(report.alarms), len(report.warnings),
+                          self.step_recorder.writer.waiting)  # fmt: skip
+        self.responder.respond(report.incidents, self.optimizer, unattributed, stopping=self._stopping)
 
     def _name_late_boundary(self) -> None:
         """A replay found its weight already updated: the step ended after the update. Warned once."""
@@ -1105,7 +1195,7 @@ class Guard:
                 log.info("aegis-sdc coverage:\n%s", self.coverage_report().describe())
 
 
-def _log_nonfinite_inputs(verdicts: list[Verdict]) -> None:
+def _log_nonfinite_inputs(console: StepConsole, verdicts: list[Verdict]) -> None:
     """NaN/Inf in a checked call's inputs is the data's doing (an overflow, a bad batch), not the
     device's: one console line per step that had any, naming the sites — the store has every one."""
     by_step: dict[int, list[str]] = {}
@@ -1115,8 +1205,11 @@ def _log_nonfinite_inputs(verdicts: list[Verdict]) -> None:
     for step, names in sorted(by_step.items()):
         sites = list(dict.fromkeys(names))
         shown = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
-        log.warning("aegis-sdc: step %d: NaN/Inf in the inputs of %d checked call%s at %s — from the data, "
-                    "not the device (not an SDC)", step, len(names), "" if len(names) == 1 else "s", shown)  # fmt: skip
+        console.emit(
+            logging.WARNING,
+            f"step {step}: NaN/Inf in the inputs of {len(names)} checked "
+            f"call{'' if len(names) == 1 else 's'} at {shown} — from the data, not the device (not an SDC)",
+        )
 
 
 def _versions() -> dict[str, str]:

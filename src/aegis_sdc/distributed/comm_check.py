@@ -21,16 +21,27 @@ check names this rank only when a strict majority of the group (three ranks or m
 same collective — the majority decides. Otherwise (two ranks, several failing, or the ranks' results
 not exchanged) the verdict is `unattributed_sdc`: the corruption is reported with the failing ranks,
 and no device is blamed.
+
+A stalled or dead peer. The collectives these checks issue run on the user's group, whose timeout
+(30 min by default) would be the host's wait. On CPU tensors (gloo) the host waits for them here,
+each at most `DistributedConfig.exchange_timeout_s` after its issue (`context.wait_bounded`), and
+raises `RankExchangeError`: under DDP in the last bucket's hook, once every bucket's all-reduce is
+issued (the earlier buckets keep overlapping with the backward; DDP would wait for all of them right
+after anyway). On CUDA tensors (NCCL) the collectives are ordered on the device's streams and the
+host does not wait for them here: a host wait would add a sync to every backward, so there the
+group's own timeout (NCCL's watchdog) applies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from aegis_sdc.distributed.context import wait_bounded
 from aegis_sdc.distributed.outlier import majority_decides
 from aegis_sdc.events import Site, Tile, VerdictKind, WrongExecution
 
@@ -166,8 +177,11 @@ class CommCapture:
 class CommChecks:
     """Per-step records of this rank's checked collectives, and the sites they belong to."""
 
-    def __init__(self, chunks: int, register_site: Callable[[str, object], Site], fault_hook=None) -> None:
+    def __init__(self, chunks: int, register_site: Callable[[str, object], Site], fault_hook=None,
+                 timeout_s: float | None = None) -> None:  # fmt: skip
         self.chunks = chunks
+        # the host's wait for a checked collective on CPU tensors, from its issue (None: unbounded)
+        self.timeout_s = timeout_s
         self.register_site = register_site  # (module name, CommKind) → Site, in call order
         self.fault_hook = fault_hook  # (site, step, buffer) → corrupts the received buffer (injection)
         self.records: list[CommRecord] = []
@@ -194,15 +208,31 @@ class CommChecks:
         if self.fault_hook is not None:
             self.fault_hook(site, self.step, result)
 
+    def bounds(self, tensor: torch.Tensor) -> bool:
+        """Whether the host waits for this tensor's collectives here, bounded by `timeout_s`: CPU
+        tensors (on CUDA the wait is the device's, see the module's docstring)."""
+        return self.timeout_s is not None and not tensor.is_cuda
+
+    def wait(self, works: list[tuple[dist.Work, float]], what: str, group: dist.ProcessGroup | None) -> None:
+        """`context.wait_bounded` for collectives of `group` (`RankExchangeError` after `timeout_s`)."""
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        wait_bounded(works, self.timeout_s, f"{what} at step {self.step}", ranks)
+
 
 def checked_allreduce_hook(checks: CommChecks, group: dist.ProcessGroup | None, kind) -> Callable:
     """A DDP communication hook: sum all-reduce with chunk checksums, then the average DDP expects.
 
     The small checksum all-reduce is issued before the gradients' (in the same order on every rank;
-    never from inside the future's callback, where issuing a collective could deadlock)."""
+    never from inside the future's callback, where issuing a collective could deadlock). On CPU
+    tensors the last bucket's hook waits for every bucket's collectives, bounded (`CommChecks.wait`):
+    its `RankExchangeError` comes out of `loss.backward()` as it is (autograd re-raises a hook's
+    Python exception)."""
+    issued: list[tuple[dist.Work, float]] = []  # this backward's collectives, for the last bucket's wait
 
     def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
+        if bucket.index() == 0:  # DDP launches its buckets in index order: a new backward
+            issued.clear()
         world = dist.get_world_size(group)
         if checks.on_local_gradients is not None:
             checks.on_local_gradients(bucket)
@@ -210,9 +240,18 @@ def checked_allreduce_hook(checks: CommChecks, group: dist.ProcessGroup | None, 
         expected = chunk_sums(buffer, checks.chunks)
         # Both all-reduces asynchronous, the checksums' first: a process group completes its work in
         # issue order, so the checksums are in when the gradients' callback runs.
+        started = time.monotonic()
         expected_work = dist.all_reduce(expected, group=group, async_op=True)
         params = list(bucket.parameters())
-        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        future = work.get_future()
+        if checks.bounds(buffer):
+            issued.extend(((expected_work, started), (work, started)))
+            if bucket.is_last():
+                works = list(issued)
+                issued.clear()
+                buckets = f"buckets 0–{bucket.index()}" if bucket.index() else "bucket 0"
+                checks.wait(works, f"the gradient all-reduce of DDP's {buckets}", group)
 
         def rescan() -> torch.Tensor:
             grads = [p.grad.reshape(-1) for p in params if p.grad is not None]
@@ -255,11 +294,15 @@ class CheckedReduceScatter:
         site = self.checks.register_site(self.name, self.kind)
         shards = input_tensor.reshape(world, -1)
         expected = torch.stack([chunk_sums(shards[r], self.checks.chunks) for r in range(world)])  # [world, 2, C]
-        dist.all_reduce(expected, group=group)
-        work = self._default(output_tensor, input_tensor, group, op, async_op=async_op)
-        if work is not None and async_op:
+        started = time.monotonic()
+        expected_work = dist.all_reduce(expected, group=group, async_op=True)
+        work = self._default(output_tensor, input_tensor, group, op, async_op=True)
+        if self.checks.bounds(input_tensor):  # the host's wait, bounded
+            self.checks.wait([(expected_work, started), (work, started)], f"the reduce-scatter of {self.name}", group)
+        else:  # CUDA: the current stream waits for both (no host wait)
+            expected_work.wait()
             work.wait()
         self.checks.corrupt(site, output_tensor)
         scale = 1.0 / world if op == dist.ReduceOp.AVG else 1.0
         self.checks.record(site, expected[rank], output_tensor, world, input_tensor.dtype, scale=scale)
-        return work
+        return work if async_op else None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aegis_sdc.bounded import BoundedLog
 from aegis_sdc.faults.models import AccumulatorFault, FaultSpec, resolve
 from aegis_sdc.hashing import unit_hash
 
@@ -30,7 +31,7 @@ class FaultInjector:
     def __init__(self, specs: tuple[FaultSpec, ...] = (), rank: int = 0) -> None:
         self.specs = tuple(specs)
         self.rank = rank  # faults name the ranks whose device they model
-        self.log: list[Injection] = []
+        self.log: BoundedLog[Injection] = BoundedLog()  # the latest; the store has every one
         self._matches: dict[str, tuple[FaultSpec, ...]] = {}
 
     def __bool__(self) -> bool:

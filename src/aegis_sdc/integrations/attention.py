@@ -129,6 +129,10 @@ class AttentionRouter:
         )  # fmt: skip
         if not shaped or self.closed or (q.is_cuda and self._cuda_naming_done):
             return fallback()
+        # An empty batch, no query or no key: no arithmetic to check, so nothing is left uncovered;
+        # SDPA defines the result, while the checked kernels would have no row to reduce.
+        if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+            return fallback()
         name = self._caller()
         if name is None:
             return fallback()

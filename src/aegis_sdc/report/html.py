@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from aegis_sdc.store.sqlite import (
+    RunStores,
     read_coverage,
     read_events,
     read_incidents,
@@ -42,12 +43,13 @@ MAX_ROWS = 500  # rows of one long table (events, verdicts); the rest are counte
 COVERAGE_EVENTS = ("not_covered", "not_deterministic", "sampling_plan")
 
 
-def write_report(run_dir: Path, out: Path | None = None) -> Path:
+def write_report(run_dir: Path | RunStores, out: Path | None = None) -> Path:
     """Render the run in `run_dir` (all ranks' `aegis-rank*.sqlite`) as one HTML file; returns its
-    path (default `RUN_DIR/aegis-report.html`). Raises StoreError when the directory holds no store."""
-    run_dir = Path(run_dir)
-    out = run_dir / "aegis-report.html" if out is None else Path(out)
+    path (default `RUN_DIR/aegis-report.html`). Raises StoreError when the directory holds no store,
+    or any store is unreadable or damaged; given RunStores, reads its stores as it was opened."""
     page = render_report(run_dir)
+    base = run_dir.run_dir if isinstance(run_dir, RunStores) else Path(run_dir)
+    out = base / "aegis-report.html" if out is None else Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")  # a reader never sees half a page
     partial.write_text(page, encoding="utf-8")
@@ -55,12 +57,16 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     return out
 
 
-def render_report(run_dir: Path) -> str:
+def render_report(run_dir: Path | RunStores) -> str:
     """The page's HTML text."""
-    run = _read_run(Path(run_dir))
+    if isinstance(run_dir, RunStores):
+        run = _read_run(run_dir)
+    else:
+        with RunStores(run_dir) as stores:  # strict: an unreadable or damaged store raises StoreError
+            run = _read_run(stores)
     _count_incidents(run["sites"], run["incidents"])
     context = {
-        "run_dir": str(run_dir),
+        "run_dir": str(run["run_dir"]),
         "generated": _when(datetime.now(timezone.utc).timestamp()),
         "header": _header(run["runs"]),
         "summary": _summary(run),
@@ -81,29 +87,25 @@ def render_report(run_dir: Path) -> str:
 
 
 # -- reading ----------------------------------------------------------------------------------------
-def _read_run(run_dir: Path) -> dict[str, Any]:
-    # read_runs first: it names a directory without a store (StoreError) before any other read. The
-    # read-only readers come before the store module's older readers: a read-only connection cannot
-    # remove the WAL files it opened, the last ordinary reader to close does.
-    runs = read_runs(run_dir)
-    sites = _merge_sites(read_site_summaries(run_dir))
+def _read_run(stores: RunStores) -> dict[str, Any]:
+    # every store is opened once, read-only, and checked before any of these reads (RunStores)
+    sites = _merge_sites(read_site_summaries(stores))
     top_sites = sites[:TOP_SITES]
-    read_only = {
-        "runs": runs,
-        "steps": read_step_totals(run_dir),
+    return {
+        "run_dir": stores.run_dir,
+        "runs": read_runs(stores),
+        "steps": read_step_totals(stores),
         "sites": sites,
         "top_sites": top_sites,
-        "site_series": read_site_series(run_dir, ((s["site"], s["worst_rank"]) for s in top_sites)),
-        "nonfinite": read_nonfinite(run_dir),
-        "events": read_events(run_dir),
-        "verdicts": read_verdicts(run_dir),
-    }
-    return read_only | {
-        "incidents": read_incidents(run_dir),
-        "verdict_counts": read_verdict_counts(run_dir),
-        "warnings": read_warnings(run_dir),
-        "unattributed": read_unattributed(run_dir),
-        "coverage": read_coverage(run_dir),
+        "site_series": read_site_series(stores, ((s["site"], s["worst_rank"]) for s in top_sites)),
+        "nonfinite": read_nonfinite(stores),
+        "events": read_events(stores),
+        "verdicts": read_verdicts(stores),
+        "incidents": read_incidents(stores),
+        "verdict_counts": read_verdict_counts(stores),
+        "warnings": read_warnings(stores),
+        "unattributed": read_unattributed(stores),
+        "coverage": read_coverage(stores),
     }
 
 

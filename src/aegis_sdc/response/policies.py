@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from collections.abc import Sequence
 
 from aegis_sdc.config import ResponseConfig
 from aegis_sdc.events import Incident, Verdict
-from aegis_sdc.response.quarantine import append_quarantine
+from aegis_sdc.response.console import RateLimiter
+from aegis_sdc.response.quarantine import append_quarantine, device_key, quarantine_entry, read_quarantine
 
 log = logging.getLogger("aegis_sdc")
 
@@ -35,54 +35,77 @@ class SilentDataCorruptionWarning(UserWarning):
     """Emitted by the ``warn`` and ``skip-step`` policies."""
 
 
-def quarantine_entry(incident: Incident) -> dict:
-    who = incident.identity
-    wrong = incident.verdict.wrong_execution
-    return {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(incident.created_wall)),
-        "host": who.host,
-        "rank": who.rank,
-        "local_rank": who.local_rank,
-        "device": who.device,
-        "gpu_uuid": who.gpu_uuid,
-        "site": incident.site.name,
-        "step": incident.step,
-        "incident_id": incident.id,
-        "reason": f"confirmed SDC (wrong execution: {wrong.value if wrong else '?'})",
-    }
-
-
 class Responder:
+    """Applies the response policy to a step's confirmed incidents. The quarantine list is written
+    first; when it cannot be (disk full, no permission, a link in the way), its entries wait here,
+    are logged, and are written again at every later step and at close — the policy still acts."""
+
     def __init__(self, config: ResponseConfig, quarantine_path: str | None) -> None:
         self.config = config
         self.quarantine_path = quarantine_path
         self._quarantined: set[tuple[str, str]] = set()
+        self.pending_quarantine: list[dict] = []  # entries not yet written (the list failed)
+        self.quarantine_failures = 0
         self.dropped_updates = 0  # updates `skip-step` dropped (the replica vote must know)
+        self._warning_limit = RateLimiter()  # SilentDataCorruptionWarning: one per step, rate-limited
 
-    def respond(self, incidents: Sequence[Incident], optimizer=None, unattributed: Sequence[Verdict] = ()) -> None:
+    def adopt_list(self) -> None:
+        """Take the devices the list already names as listed (a restarted run names none twice)."""
+        if not (self.config.quarantine and self.quarantine_path):
+            return
+        try:
+            self._quarantined.update(device_key(entry) for entry in read_quarantine(self.quarantine_path))
+        except OSError as error:  # unreadable now: writing it will be tried (and logged) as always
+            log.error("aegis-sdc: the quarantine list %s cannot be read: %s", self.quarantine_path, error)
+
+    def quarantine(self, entries: Sequence[dict]) -> None:
+        """Queue entries for the list (one per device per process) and write what is queued."""
+        if not (self.config.quarantine and self.quarantine_path):
+            return
+        for entry in entries:
+            key = device_key(entry)
+            if key not in self._quarantined:
+                self._quarantined.add(key)
+                self.pending_quarantine.append(entry)
+        self.retry_quarantine()
+
+    def retry_quarantine(self) -> bool:
+        """Write the queued entries; True when nothing is left queued. Never raises for a write that
+        fails: the entries stay queued and the failure is logged (the incidents are in the store)."""
+        if not self.pending_quarantine:
+            return True
+        try:
+            append_quarantine(self.quarantine_path, self.pending_quarantine)
+        except OSError as error:
+            self.quarantine_failures += 1
+            if self.quarantine_failures == 1 or self.quarantine_failures % 100 == 0:
+                log.error("aegis-sdc: the quarantine list %s cannot be written (%s); %d device(s) wait to be "
+                          "listed and are retried every step — their incidents are in the store",
+                          self.quarantine_path, error, len(self.pending_quarantine))  # fmt: skip
+            return False
+        self.pending_quarantine = []
+        return True
+
+    def respond(self, incidents: Sequence[Incident], optimizer=None, unattributed: Sequence[Verdict] = (),
+                *, stopping: bool = True) -> None:  # fmt: skip
         """Apply the policy to the step's incidents. Corruptions proven but pinned on no device
         (`unattributed`) get the same policy for the step — the update they feed is corrupted —
-        but quarantine no device."""
+        but quarantine no device. `stopping=False` (an exception of the user's already in flight)
+        keeps `raise` and `exit` from replacing it: the caller reports the incidents instead."""
+        self.retry_quarantine()
         if not incidents and not unattributed:
             return
-        if incidents and self.config.quarantine and self.quarantine_path:
-            fresh = []
-            for incident in incidents:
-                key = (incident.identity.host, incident.identity.gpu_uuid or incident.identity.device)
-                if key not in self._quarantined:  # one entry per device per process
-                    self._quarantined.add(key)
-                    fresh.append(quarantine_entry(incident))
-            append_quarantine(self.quarantine_path, fresh)
+        self.quarantine([quarantine_entry(i.to_dict()) for i in incidents])
         messages = [i.describe() for i in incidents] + [describe_unattributed(v) for v in unattributed]
-        for message in messages:
-            log.error("aegis-sdc: %s", message)
         policy = self.config.policy
-        if policy == "raise":
+        if policy == "raise" and stopping:
             raise SilentDataCorruptionError(incidents, unattributed)
-        if policy == "exit":
+        if policy == "exit" and stopping:
             raise SystemExit(self.config.exit_code)
-        for message in messages:
-            warnings.warn(message, SilentDataCorruptionWarning, stacklevel=4)
+        if self._warning_limit.allow():
+            more = f" (and {len(messages) - 1} more this step)" if len(messages) > 1 else ""
+            warnings.warn(messages[0] + more + self._warning_limit.take_suppressed(), SilentDataCorruptionWarning,
+                          stacklevel=4)  # fmt: skip
         if policy == "skip-step" and optimizer is not None:
             # Optimizers skip parameters whose .grad is None: this step's corrupted update is dropped.
             for group in optimizer.param_groups:

@@ -14,15 +14,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
+import socket
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 SCHEMA_VERSION = 3
 
@@ -137,41 +141,96 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-class Store:
-    """Writer of one rank's database."""
+class StoreInUseError(StoreError):
+    """Another live writer (in this process or another) holds the rank's store."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+
+def _take_writer_lock(path: Path) -> int:
+    """An exclusive lock on `aegis-rankNNNNN.lock` beside the store, held while the store is open for
+    writing: one writer per rank store, whatever the process. Two guards writing one store would
+    collide on vTask ids and race the schema's creation; the lock turns that into a clear error at
+    `protect()` (or, for the default run directory, into a directory of its own: runtime/run_dir.py).
+    The lock dies with its process, so a killed run never leaves a stale one; the file names the
+    holder for the error. It is never removed: unlinking a lock file races a process opening it."""
+    lock_path = path.with_suffix(".lock")  # aegis-rankNNNNN.lock: no reader's *.sqlite* glob takes it
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
+        os.close(fd)
+        raise StoreInUseError(
+            f"{path} is being written by another guard ({holder}): give each guard its own run directory "
+            "(GuardConfig.run_dir)"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    except OSError:
+        pass  # a full disk: the lock holds all the same, the note is for error messages
+    return fd
+
+
+class Store:
+    """Writer of one rank's database; `lock=True` (the guard's writer) takes the rank's writer lock."""
+
+    def __init__(self, path: str | os.PathLike, *, lock: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = _connect(self.path)
-        _migrate(self.conn, self.path)
+        self._lock_fd = _take_writer_lock(self.path) if lock else None
+        try:
+            self.conn = _connect(self.path)
+            _migrate(self.conn, self.path)
+        except BaseException:
+            self._release_lock()
+            raise
         self._in_tx = False
 
     # -- transactions ----------------------------------------------------------------------------
     @contextmanager
     def transaction(self, durable: bool = False) -> Iterator[sqlite3.Connection]:
-        """One transaction; `durable` makes its COMMIT fsync (for incidents)."""
+        """One transaction; `durable` makes its COMMIT fsync (for incidents). A transaction that fails
+        anywhere — its body, or its COMMIT on a full disk — leaves nothing behind: the connection is
+        rolled back and ready for the next one (a retried write starts from scratch)."""
         if self._in_tx:
             yield self.conn
             return
-        if durable:
-            self.conn.execute("PRAGMA synchronous=FULL")
-        self.conn.execute("BEGIN IMMEDIATE")
-        self._in_tx = True
         try:
+            if durable:
+                self.conn.execute("PRAGMA synchronous=FULL")
+            self.conn.execute("BEGIN IMMEDIATE")
+            self._in_tx = True
             yield self.conn
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        else:
             self.conn.execute("COMMIT")
+        except BaseException:
+            # SQLite may already have rolled back on its own (SQLITE_FULL, SQLITE_IOERR at COMMIT)
+            if self.conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    self.conn.execute("ROLLBACK")
+            raise
         finally:
             self._in_tx = False
             if durable:
-                self.conn.execute("PRAGMA synchronous=NORMAL")
+                with contextlib.suppress(sqlite3.Error):
+                    self.conn.execute("PRAGMA synchronous=NORMAL")
 
     def close(self) -> None:
-        self.conn.close()
+        try:
+            self.conn.close()
+        finally:
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def incident_records(self) -> list[dict[str, Any]]:
+        """Every committed incident of this store (`Incident.to_dict()`), in the order committed."""
+        return [json.loads(row[0]) for row in self.conn.execute("SELECT record_json FROM incidents ORDER BY id")]
 
     # -- writers ---------------------------------------------------------------------------------
     def write_run(self, identity: dict[str, Any], config: dict[str, Any], versions: dict[str, str]) -> None:
@@ -333,130 +392,434 @@ def _finite_or_none(value: float) -> float | None:
 
 
 # -- reading a run directory (all ranks) --------------------------------------------------------
+# A reader trusts no file and changes none: a run directory may hold an empty, truncated, damaged or
+# foreign file, a copy of a store under another name, or belong to someone else (read-only). Readers
+# open stores read-only (no PRAGMA that writes, no journal mode set, no -wal/-shm created next to a
+# store nobody writes), check each before reading it, and name the file in every problem they report.
+_STORE_NAME = re.compile(r"aegis-rank([0-9]+)\.sqlite")
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+# the tables of schema version 1: later versions only add tables and columns
+_AEGIS_TABLES = ("run", "sites", "steps", "step_stats", "vtasks", "verdicts", "incidents", "events")
+# SQLite's primary result codes (sqlite3.SQLITE_* exist from Python 3.11 on)
+_SQLITE_READONLY, _SQLITE_CANTOPEN = 8, 14
+_T = TypeVar("_T")
+
+
 @dataclass(frozen=True)
 class RankDatabase:
     rank: int
     path: Path
 
 
-def rank_databases(run_dir: str | os.PathLike) -> list[RankDatabase]:
+@dataclass(frozen=True)
+class StoreProblem:
+    """What is wrong with one file of a run directory. `skipped`: nothing was read from it; otherwise
+    it was read, but what it gave may be incomplete or wrong."""
+
+    path: Path
+    reason: str
+    skipped: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+class UnreadableStore(StoreError):
+    """A file that cannot be read as an aegis store; `reason` says what is wrong, without the path."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+def rank_databases(run_dir: str | os.PathLike, skipped: list[StoreProblem] | None = None) -> list[RankDatabase]:
+    """The stores of a run directory, ordered by rank: the files named as the guard names a rank's store
+    (`aegis-rank%05d.sqlite`, rank_db_path). Any other `aegis-rank*.sqlite` (`aegis-rank1.sqlite`, a copy
+    under another name) is not a store: reading it too would list its rank twice. Such files are
+    appended to `skipped` when it is given. Raises StoreError when `run_dir` is not a directory, or
+    holds no store (and `skipped` is not given: the caller reports what was skipped itself)."""
     root = Path(run_dir)
     if not root.is_dir():
         raise StoreError(f"{root} is not a directory")
-    found = []
+    found: list[RankDatabase] = []
+    others: list[StoreProblem] = []
     for path in sorted(root.glob("aegis-rank*.sqlite")):
+        match = _STORE_NAME.fullmatch(path.name)
+        if match is None or rank_db_path(root, int(match[1])).name != path.name:
+            canonical = f"aegis-rank{int(match[1]):05d}.sqlite" if match else "aegis-rank%05d.sqlite"
+            others.append(StoreProblem(path, f"not a store's name ({canonical} is); not read"))
+        elif not path.is_file():
+            others.append(StoreProblem(path, "not a regular file"))
+        else:
+            found.append(RankDatabase(int(match[1]), path))
+    if not found and (skipped is None or not others):
+        names = f" (not read: {', '.join(p.path.name for p in others)})" if others else ""
+        raise StoreError(f"no aegis store (aegis-rank*.sqlite) in {root}{names}")
+    if skipped is not None:
+        skipped.extend(others)
+    return sorted(found, key=lambda db: db.rank)  # by name, 100000 would come before 99999
+
+
+def _file_problem(path: Path, has_wal: bool) -> str | None:
+    """Why `path` is no SQLite database, from its size and 100-byte header; None when it may be one."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as file:
+            header = file.read(100)
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    if size == 0:
+        return "empty file (0 bytes): not an aegis store"
+    if header[:16] != _SQLITE_MAGIC[: len(header)]:
+        return "not a SQLite database (no SQLite header): not an aegis store"
+    if len(header) < 100:
+        return f"truncated: {size} bytes, shorter than a SQLite header"
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    if page_size < 512 or page_size & (page_size - 1):
+        return f"not a SQLite database (page size {page_size} in its header)"
+    pages = int.from_bytes(header[28:32], "big")
+    # The header's page count is valid when its change counter matches (bytes 24 and 92); with a WAL
+    # beside it a checkpoint may be resizing the file right now, so only a store nobody writes is judged.
+    if not has_wal and header[24:28] == header[92:96] and size < pages * page_size:
+        return f"truncated: {size} bytes, its header says {pages} pages of {page_size} bytes"
+    return None
+
+
+def _connect_read_only(path: Path, *, immutable: bool) -> sqlite3.Connection:
+    # the URI form: `mode=ro` and `immutable=1` need it; as_uri() percent-encodes names with '?' or '#'
+    flags = "mode=ro&immutable=1" if immutable else "mode=ro"
+    conn = sqlite3.connect(
+        f"{path.resolve().as_uri()}?{flags}", uri=True, timeout=30.0, isolation_level=None, check_same_thread=False
+    )
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+def _primary_code(error: sqlite3.Error) -> int | None:
+    code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+
+    if code is not None:
+        return code & 0xFF
+    text = str(error)
+    return _SQLITE_CANTOPEN if "unable to open" in text else _SQLITE_READONLY if "readonly" in text else None
+
+
+def _open_store(path: Path) -> tuple[sqlite3.Connection, list[str]]:
+    """A read-only connection to the aegis store at `path`, checked, and what is wrong with it short of
+    being unreadable (a damaged page, a write-ahead log it could not read). Raises UnreadableStore."""
+    wal = path.with_name(path.name + "-wal")
+    has_wal = wal.exists()
+    problem = _file_problem(path, has_wal)
+    if problem:
+        raise UnreadableStore(path, problem)
+    notes: list[str] = []
+    wal_failure = None
+    if has_wal:
+        # A WAL beside the store: a writer is running, or one was killed before folding its WAL back
+        # (committed steps may be only there). `mode=ro` reads them and takes the readers' locks, but
+        # needs the -wal and -shm files to exist or a directory it may create them in. When it cannot
+        # (a read-only directory after a crash), `immutable=1` still reads what is in the file itself.
+        conn = _connect_read_only(path, immutable=False)
         try:
-            found.append(RankDatabase(int(path.stem.removeprefix("aegis-rank")), path))
-        except ValueError:
-            continue
-    if not found:
-        raise StoreError(f"no aegis store (aegis-rank*.sqlite) in {root}")
-    return found
-
-
-def open_reader(path: Path) -> sqlite3.Connection:
-    """Open a rank database for reading; refuses schemas newer than this version."""
-    conn = _connect(path)
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
-    if version > SCHEMA_VERSION or version == 0:
+            conn.execute("PRAGMA user_version").fetchone()  # connect() opens nothing: the first read does
+        except sqlite3.Error as error:
+            conn.close()
+            if _primary_code(error) not in (_SQLITE_CANTOPEN, _SQLITE_READONLY):
+                raise UnreadableStore(path, f"not readable as SQLite ({error})") from error
+            conn = _connect_read_only(path, immutable=True)
+            wal_failure = f"its write-ahead log {wal.name} cannot be opened read-only here ({error})"
+            notes.append(f"{wal_failure}: read without it, the last committed steps may be missing")
+    else:
+        # No WAL: every committed transaction is in the file itself, and no connection has it open (a
+        # connection to a WAL database keeps the -wal file until the last one closes, and deletes it
+        # then). `immutable=1` reads such a file without locks and without creating -wal/-shm files, so
+        # the directory is left exactly as it was and may be read-only. It is unsafe only against a
+        # writer that opens the store during the read *and* checkpoints into it meanwhile (writes go to
+        # the WAL first; SQLite folds them back every 1000 pages and at close): a torn read then fails
+        # quick_check or a query, is reported, and reading again gives the right answer.
+        conn = _connect_read_only(path, immutable=True)
+    try:
+        _check_schema(conn, path)
+        notes.extend(_quick_check(conn))
+    except UnreadableStore as error:
         conn.close()
-        raise StoreError(f"{path} has schema version {version}; this aegis-sdc reads 1..{SCHEMA_VERSION}")
+        if wal_failure is None:
+            raise
+        raise UnreadableStore(path, f"{error.reason}, without the log: {wal_failure}") from error
+    except BaseException:
+        conn.close()
+        raise
+    return conn, notes
+
+
+def _check_schema(conn: sqlite3.Connection, path: Path) -> None:
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as error:
+        raise UnreadableStore(path, f"not readable as SQLite ({error})") from error
+    missing = [name for name in _AEGIS_TABLES if name not in tables]
+    if len(missing) == len(_AEGIS_TABLES):
+        raise UnreadableStore(path, "not an aegis store (a SQLite database without aegis-sdc's tables)")
+    if version > SCHEMA_VERSION:
+        raise UnreadableStore(
+            path, f"schema version {version} is newer than this aegis-sdc reads (1..{SCHEMA_VERSION}): upgrade it"
+        )
+    if version < 1 or missing:
+        lacking = f", no table {', '.join(missing)}" if missing else ""
+        raise UnreadableStore(path, f"not an aegis store (schema version {version}{lacking})")
+
+
+def _quick_check(conn: sqlite3.Connection) -> list[str]:
+    # quick_check reads every page once and checks its structure (not the indexes against the tables,
+    # which integrity_check adds at a higher cost): a damaged page is then reported, instead of rows
+    # silently missing from a listing. It cannot see a changed byte inside a stored value.
+    try:
+        found = [str(row[0]) for row in conn.execute("PRAGMA quick_check(3)")]
+    except sqlite3.Error as error:
+        return [f"damaged: PRAGMA quick_check fails ({error}); what could be read was read"]
+    if found == ["ok"]:
+        return []
+    return [f"damaged: PRAGMA quick_check: {'; '.join(found)}; what could be read was read"]
+
+
+def open_reader(path: str | os.PathLike) -> sqlite3.Connection:
+    """A read-only connection to one rank's store, checked first: raises UnreadableStore (a StoreError
+    naming the file) for an empty, truncated, damaged or foreign file, a schema newer than this
+    version, or a write-ahead log it cannot read. Changes nothing on disk (see `_open_store`)."""
+    path = Path(path)
+    conn, problems = _open_store(path)
+    if problems:
+        conn.close()
+        raise UnreadableStore(path, problems[0])
     return conn
 
 
 @contextmanager
 def reading(path: str | os.PathLike) -> Iterator[sqlite3.Connection]:
-    """A reader of one rank database, closed afterwards."""
-    conn = open_reader(Path(path))
+    """A checked, read-only reader of one rank's store (open_reader), closed afterwards."""
+    conn = open_reader(path)
     try:
         yield conn
     finally:
         conn.close()
 
 
-def _each_rank(run_dir: str | os.PathLike, opener=None) -> Iterator[tuple[RankDatabase, sqlite3.Connection]]:
-    """Every rank database of a run directory with a reader (`reading`, or `opener`), one at a time."""
-    for db in rank_databases(run_dir):
-        with (opener or reading)(db.path) as conn:
-            yield db, conn
+# Every reader is read-only now; the name stays for the code that asks for it.
+reading_only = reading
 
 
-def read_incidents(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+def _claimed_rank(conn: sqlite3.Connection, db: RankDatabase) -> int:
+    """The rank the store's run row says it holds (its file name's while the row is not committed)."""
+    try:
+        row = conn.execute("SELECT rank FROM run WHERE id = 1").fetchone()
+    except sqlite3.Error:
+        return db.rank
+    return row[0] if row is not None and type(row[0]) is int else db.rank
+
+
+class RunStores:
+    """The stores of a run directory (rank_databases), each opened read-only once and checked (open_reader)
+    before anything is read; pass it to the `read_*` functions instead of the directory. `strict`
+    raises UnreadableStore at the first problem; otherwise each problem is kept in `problems` (a file
+    not read, a damaged store, a store claiming another store's rank, rows that could not be read) and
+    what can be read is read. Raises StoreError when the directory is missing or holds no
+    `aegis-rank*.sqlite`. Use it as a context manager, or close() it."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, strict: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.strict = strict
+        self.problems: list[StoreProblem] = []
+        self._readers: list[tuple[RankDatabase, sqlite3.Connection]] = []
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def databases(self) -> list[RankDatabase]:
+        """The stores read, one per rank, ordered by rank."""
+        return [db for db, _ in self._readers]
+
+    def _problem(self, path: Path, reason: str, *, skipped: bool = True) -> None:
+        if self.strict:
+            raise UnreadableStore(path, reason)
+        problem = StoreProblem(path, reason, skipped)
+        if problem not in self.problems:  # a query that fails on every call is reported once
+            self.problems.append(problem)
+
+    def _open(self) -> None:
+        names: list[StoreProblem] = []
+        found = rank_databases(self.run_dir, names)
+        for problem in names:
+            self._problem(problem.path, problem.reason)
+        for db in found:
+            try:
+                conn, damage = _open_store(db.path)
+            except UnreadableStore as error:
+                self._problem(db.path, f"{error.reason}; not read")
+                continue
+            self._readers.append((db, conn))
+            for reason in damage:
+                self._problem(db.path, reason, skipped=False)
+        # Two stores of one rank (a copy under another rank's name): read one, report the other.
+        claims: dict[int, list[tuple[RankDatabase, sqlite3.Connection]]] = {}
+        for db, conn in self._readers:
+            claims.setdefault(_claimed_rank(conn, db), []).append((db, conn))
+        for rank, group in claims.items():
+            kept = next((db for db, _ in group if db.rank == rank), group[0][0])
+            for db, conn in group:
+                if db != kept:
+                    self._readers.remove((db, conn))
+                    conn.close()
+                    reason = f"holds rank {rank} (its run row), as {kept.path.name} does; not read twice"
+                    self._problem(db.path, reason)
+            if kept.rank != rank:
+                reason = f"holds rank {rank} (its run row), not rank {kept.rank} as its name says"
+                self._problem(kept.path, reason, skipped=False)
+
+    def collect(self, read: Callable[[RankDatabase, sqlite3.Connection], Iterable[_T]]) -> list[_T]:
+        """What `read` gives for every store read, in rank order. A store whose rows cannot be read
+        (a damaged page, a foreign table of an aegis name, a value of the wrong type) gives nothing
+        for this query: a problem, or UnreadableStore when strict."""
+        rows: list[_T] = []
+        for db, conn in self._readers:
+            try:
+                rows.extend(list(read(db, conn)))
+            except (sqlite3.Error, ValueError, KeyError, TypeError, AttributeError) as error:
+                reason = f"rows cannot be read ({type(error).__name__}: {error}); what could be read was read"
+                self._problem(db.path, reason, skipped=False)
+        return rows
+
+    def close(self) -> None:
+        for _, conn in self._readers:
+            conn.close()
+        self._readers = []
+
+    def __enter__(self) -> RunStores:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _collect(
+    run: str | os.PathLike | RunStores, read: Callable[[RankDatabase, sqlite3.Connection], Iterable[_T]]
+) -> list[_T]:
+    """`read` over every store of `run`: a RunStores as it was opened, a directory strictly."""
+    if isinstance(run, RunStores):
+        return run.collect(read)
+    with RunStores(run) as stores:
+        return stores.collect(read)
+
+
+def _order(value: Any) -> tuple:
+    """A sort key for a stored value of any type (SQLite keeps whatever was written): None, numbers, text."""
+    if value is None:
+        return (0, 0)
+    if isinstance(value, (int, float)):
+        return (1, value)
+    return (2, str(value))
+
+
+def _object(text: str | None) -> dict[str, Any]:
+    """A stored JSON object ({} for NULL); ValueError for anything else."""
+    value = json.loads(text) if text else {}
+    if not isinstance(value, dict):
+        raise ValueError(f"stored JSON is a {type(value).__name__}, not an object")
+    return value
+
+
+def read_incidents(run: str | os.PathLike | RunStores) -> list[dict[str, Any]]:
     """All incidents of all ranks, ordered by step then rank."""
-    rows: list[dict[str, Any]] = []
-    for _, conn in _each_rank(run_dir):
+
+    def read(db: RankDatabase, conn: sqlite3.Connection) -> list[dict[str, Any]]:
+        rows = []
         for r in conn.execute(
             "SELECT i.id, i.step, i.host, i.rank, i.local_rank, i.device, i.gpu_uuid, i.record_json, s.name AS site"
             " FROM incidents i JOIN sites s ON s.id = i.site_id ORDER BY i.step, i.id"
         ):
-            record = json.loads(r["record_json"])
-            rows.append(
-                {
-                    "id": r["id"],
-                    "rank": r["rank"],
-                    "local_rank": r["local_rank"],
-                    "host": r["host"],
-                    "device": r["device"],
-                    "gpu_uuid": r["gpu_uuid"],
-                    "site": r["site"],
-                    "step": r["step"],
-                    "evidence": record["evidence"],
-                    "verdict": record["verdict"],
-                }
-            )
-    rows.sort(key=lambda r: (r["step"], r["rank"], r["id"]))
+            record = _object(r["record_json"])
+            evidence, verdict = record.get("evidence"), record.get("verdict")
+            if not isinstance(evidence, dict) or not isinstance(verdict, dict):
+                raise ValueError(f"incident {r['id']}: its record holds no evidence and verdict")
+            rows.append({
+                "id": r["id"], "rank": r["rank"], "local_rank": r["local_rank"], "host": r["host"],
+                "device": r["device"], "gpu_uuid": r["gpu_uuid"], "site": r["site"], "step": r["step"],
+                "evidence": evidence, "verdict": verdict,
+            })  # fmt: skip
+        return rows
+
+    rows = _collect(run, read)
+    rows.sort(key=lambda r: (_order(r["step"]), _order(r["rank"]), _order(r["id"])))
     return rows
 
 
-def read_warnings(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+def read_warnings(run: str | os.PathLike | RunStores) -> list[dict[str, Any]]:
     """Rank-outlier warnings of all ranks (each rank stores those naming it, a disagreement that names
     no rank is stored by the lowest rank involved), ordered by step."""
-    rows: list[dict[str, Any]] = []
-    for db, conn in _each_rank(run_dir):
+
+    def read(db: RankDatabase, conn: sqlite3.Connection) -> list[tuple[tuple, dict[str, Any]]]:
+        rows = []
         for r in conn.execute(
             "SELECT e.step, e.message, e.data_json, s.name AS site FROM events e"
             " LEFT JOIN sites s ON s.id = e.site_id WHERE e.kind = 'rank_outlier' ORDER BY e.step, e.id"
         ):
-            data = json.loads(r["data_json"]) if r["data_json"] else {}
+            data = _object(r["data_json"])
             # "rank" is None for a disagreement that names no rank ("ranks" lists those involved)
-            rows.append({"step": r["step"], "site": r["site"], "rank": data.get("rank", db.rank),
-                         "ranks": data.get("ranks", [db.rank]), "message": r["message"], "data": data})  # fmt: skip
-    rows.sort(key=lambda r: (r["step"], min(r["ranks"]) if r["rank"] is None else r["rank"]))
-    return rows
+            row = {"step": r["step"], "site": r["site"], "rank": data.get("rank", db.rank),
+                   "ranks": data.get("ranks", [db.rank]), "message": r["message"], "data": data}  # fmt: skip
+            named = min(row["ranks"]) if row["rank"] is None else row["rank"]
+            rows.append(((_order(r["step"]), _order(named)), row))
+        return rows
+
+    return [row for _, row in sorted(_collect(run, read), key=lambda pair: pair[0])]
 
 
-def read_unattributed(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+def read_unattributed(run: str | os.PathLike | RunStores) -> list[dict[str, Any]]:
     """Corruptions proven but pinned on no device (collective checks without a majority), all ranks,
     ordered by step; `rank` is the rank whose check failed, not a device blamed."""
-    rows: list[dict[str, Any]] = []
-    for db, conn in _each_rank(run_dir):
-        for r in conn.execute(
-            "SELECT e.step, e.message, s.name AS site FROM events e"
-            " LEFT JOIN sites s ON s.id = e.site_id WHERE e.kind = 'unattributed_sdc' ORDER BY e.step, e.id"
-        ):
-            rows.append({"step": r["step"], "site": r["site"], "rank": db.rank, "message": r["message"]})
-    rows.sort(key=lambda r: (r["step"], r["rank"]))
+
+    def read(db: RankDatabase, conn: sqlite3.Connection) -> list[dict[str, Any]]:
+        return [
+            {"step": r["step"], "site": r["site"], "rank": db.rank, "message": r["message"]}
+            for r in conn.execute(
+                "SELECT e.step, e.message, s.name AS site FROM events e"
+                " LEFT JOIN sites s ON s.id = e.site_id WHERE e.kind = 'unattributed_sdc' ORDER BY e.step, e.id"
+            )
+        ]
+
+    rows = _collect(run, read)
+    rows.sort(key=lambda r: (_order(r["step"]), r["rank"]))
     return rows
 
 
-def read_verdict_counts(run_dir: str | os.PathLike) -> dict[str, int]:
+def read_verdict_counts(run: str | os.PathLike | RunStores) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for _, conn in _each_rank(run_dir):
-        for kind, n in conn.execute("SELECT kind, COUNT(*) FROM verdicts GROUP BY kind"):
-            counts[kind] = counts.get(kind, 0) + n
+    for kind, n in _collect(run, lambda _, conn: conn.execute("SELECT kind, COUNT(*) FROM verdicts GROUP BY kind")):
+        counts[str(kind)] = counts.get(str(kind), 0) + n
     return counts
 
 
-def read_coverage(run_dir: str | os.PathLike) -> dict[str, Any]:
+def _has_flops(conn: sqlite3.Connection) -> bool:
+    # a store written before schema version 3 has no FLOPs columns
+    return "gemm_flops" in {row[1] for row in conn.execute("PRAGMA table_info(steps)")}
+
+
+def read_coverage(run: str | os.PathLike | RunStores) -> dict[str, Any]:
     """How much of the GEMM work was checked: over all steps and ranks, and the range per step."""
-    total = checked = 0.0
-    fractions: list[float] = []
-    for _, conn in _each_rank(run_dir):
-        if "gemm_flops" not in {row[1] for row in conn.execute("PRAGMA table_info(steps)")}:
-            continue  # written before schema v3
-        for gemm, done in conn.execute("SELECT gemm_flops, checked_flops FROM steps WHERE gemm_flops > 0"):
-            total, checked = total + gemm, checked + done
-            fractions.append(done / gemm)
+
+    def read(_: RankDatabase, conn: sqlite3.Connection) -> list[tuple[float, float]]:
+        if not _has_flops(conn):
+            return []
+        query = "SELECT gemm_flops, checked_flops FROM steps WHERE gemm_flops > 0"
+        return [(float(gemm), float(done)) for gemm, done in conn.execute(query)]
+
+    pairs = _collect(run, read)
+    total, checked = sum(gemm for gemm, _ in pairs), sum(done for _, done in pairs)
+    fractions = [done / gemm for gemm, done in pairs]
     return {
         "steps": len(fractions),
         "checked_flops_fraction": checked / total if total else None,
@@ -468,81 +831,68 @@ def read_coverage(run_dir: str | os.PathLike) -> dict[str, Any]:
 def read_study(path: str | os.PathLike) -> dict[str, Any]:
     """The study of a store: mode, config, summary (None until it finished) and its metric rows."""
     with reading(path) as conn:
-        head = conn.execute("SELECT mode, config_json, summary_json FROM study WHERE id = 1").fetchone()
-        if head is None:
-            raise StoreError(f"{path} holds no study")
-        rows = [
-            (r["step"], r["scope"], r["metric"], float("nan") if r["value"] is None else r["value"])
-            # rowid: the order the study wrote them in (submodules in module order)
-            for r in conn.execute("SELECT step, scope, metric, value FROM study_metrics ORDER BY step, rowid")
-        ]
-        return {
-            "mode": head["mode"],
-            "config": json.loads(head["config_json"]),
-            "summary": json.loads(head["summary_json"]) if head["summary_json"] else None,
-            "rows": rows,
-        }
-
-
-# -- read-only readers: what `aegis report` reads --------------------------------------------------
-@contextmanager
-def reading_only(path: str | os.PathLike) -> Iterator[sqlite3.Connection]:
-    """A reader in SQLite's read-only mode: it cannot change the store, even while the run still writes
-    to it (committed steps in the WAL are read too). Refuses schemas it does not know."""
-    path = Path(path)
-    # the URI form: `?mode=ro` needs it; as_uri() percent-encodes names with '?' or '#'
-    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
-    conn.row_factory = sqlite3.Row
-    try:
         try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-        except sqlite3.DatabaseError as error:  # not a database at all, or a damaged one
-            raise StoreError(f"{path}: {error}") from error
-        if version > SCHEMA_VERSION or version == 0:
-            raise StoreError(f"{path} has schema version {version}; this aegis-sdc reads 1..{SCHEMA_VERSION}")
-        yield conn
-    finally:
-        conn.close()
-
-
-def _each_rank_read_only(run_dir: str | os.PathLike) -> Iterator[tuple[RankDatabase, sqlite3.Connection]]:
-    return _each_rank(run_dir, reading_only)
+            head = conn.execute("SELECT mode, config_json, summary_json FROM study WHERE id = 1").fetchone()
+            if head is None:
+                raise StoreError(f"{path} holds no study")
+            rows = [
+                (r["step"], r["scope"], r["metric"], float("nan") if r["value"] is None else r["value"])
+                # rowid: the order the study wrote them in (submodules in module order)
+                for r in conn.execute("SELECT step, scope, metric, value FROM study_metrics ORDER BY step, rowid")
+            ]
+            return {
+                "mode": head["mode"],
+                "config": json.loads(head["config_json"]),
+                "summary": json.loads(head["summary_json"]) if head["summary_json"] else None,
+                "rows": rows,
+            }
+        except (sqlite3.Error, ValueError) as error:
+            raise UnreadableStore(Path(path), f"its study cannot be read ({error})") from error
 
 
 def _loads(text: str | None) -> Any:
     return json.loads(text) if text else None
 
 
-def read_runs(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+def read_runs(run: str | os.PathLike | RunStores) -> list[dict[str, Any]]:
     """Each rank's run row, by rank: identity, start, finish and summary (None while the run is in
     progress), configuration and versions. A store whose run row is not committed yet gives its rank
     with None everywhere else."""
-    runs = []
-    for db, conn in _each_rank_read_only(run_dir):
+
+    def read(db: RankDatabase, conn: sqlite3.Connection) -> list[dict[str, Any]]:
         found = conn.execute("SELECT * FROM run WHERE id = 1").fetchone()
         row = dict(found) if found else {}
-        runs.append({
+        return [{
             "rank": db.rank, "path": str(db.path),
             **{key: row.get(key) for key in ("host", "local_rank", "world_size", "device", "gpu_uuid",
                                              "started_wall", "finished_wall")},
             "config": _loads(row.get("config_json")), "versions": _loads(row.get("versions_json")),
             "summary": _loads(row.get("summary_json")),
-        })  # fmt: skip
-    return runs
+        }]  # fmt: skip
+
+    return _collect(run, read)
 
 
-def read_step_totals(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+def read_step_totals(run: str | os.PathLike | RunStores) -> list[dict[str, Any]]:
     """Per step, summed over ranks: checks, alarms, verified vTasks, GEMM FLOPs and checked FLOPs
     (FLOPs are 0 in stores written before schema version 3), ordered by step."""
-    totals: dict[int, dict[str, Any]] = {}
-    for _, conn in _each_rank_read_only(run_dir):
-        has_flops = "gemm_flops" in {row[1] for row in conn.execute("PRAGMA table_info(steps)")}
-        flops = "gemm_flops, checked_flops" if has_flops else "0.0 AS gemm_flops, 0.0 AS checked_flops"
+
+    def read(_: RankDatabase, conn: sqlite3.Connection) -> list[dict[str, Any]]:
+        flops = "gemm_flops, checked_flops" if _has_flops(conn) else "0.0 AS gemm_flops, 0.0 AS checked_flops"
+        rows = []
         for r in conn.execute(f"SELECT step, checks, alarms, verified, {flops} FROM steps"):
-            total = totals.setdefault(r["step"], dict.fromkeys(r.keys(), 0) | {"step": r["step"]})
-            for key in ("checks", "alarms", "verified", "gemm_flops", "checked_flops"):
-                total[key] += r[key]
-    return [totals[step] for step in sorted(totals)]
+            # numbers checked here: a store may hold text where a count belongs
+            rows.append({"step": r["step"], "checks": int(r["checks"]), "alarms": int(r["alarms"]),
+                         "verified": int(r["verified"]), "gemm_flops": float(r["gemm_flops"]),
+                         "checked_flops": float(r["checked_flops"])})  # fmt: skip
+        return rows
+
+    totals: dict[Any, dict[str, Any]] = {}
+    for row in _collect(run, read):
+        total = totals.setdefault(row["step"], dict.fromkeys(row, 0) | {"step": row["step"]})
+        for key in ("checks", "alarms", "verified", "gemm_flops", "checked_flops"):
+            total[key] += row[key]
+    return [totals[step] for step in sorted(totals, key=_order)]
 
 
 # The worst difference over its threshold of a (step, site) row, on either channel; None while the
@@ -553,12 +903,13 @@ _RATIO = (
 )
 
 
-def read_site_summaries(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+def read_site_summaries(run: str | os.PathLike | RunStores) -> list[dict[str, Any]]:
     """Per GEMM site and rank, over all steps: calls, checks, alarms, injected faults, non-finite
     inputs, steps calibrating, and the worst difference/threshold ratio after calibration with its
     step (None before any calibrated check)."""
-    rows = []
-    for db, conn in _each_rank_read_only(run_dir):
+
+    def read(db: RankDatabase, conn: sqlite3.Connection) -> list[dict[str, Any]]:
+        rows = []
         # one MAX() aggregate: SQLite then takes the bare column t.step from the row holding the maximum
         for r in conn.execute(
             f"SELECT s.name AS site, s.module, s.kind, s.op, SUM(t.calls) AS calls, SUM(t.checks) AS checks,"
@@ -570,55 +921,65 @@ def read_site_summaries(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
             if row["worst_ratio"] is None:
                 row["worst_step"] = None
             rows.append(row)
-    return rows
+        return rows
+
+    return _collect(run, read)
 
 
-def read_site_series(run_dir: str | os.PathLike, wanted: Iterable[tuple[str, int]]) -> dict[tuple[str, int], list]:
+def read_site_series(
+    run: str | os.PathLike | RunStores, wanted: Iterable[tuple[str, int]]
+) -> dict[tuple[str, int], list]:
     """The per-step rows of the wanted (site name, rank) pairs, ordered by step: largest row and column
     differences, thresholds, calibrating. Asked for a few pairs, so a large run stays cheap to read."""
     by_rank: dict[int, set[str]] = {}
     for name, rank in wanted:
         by_rank.setdefault(rank, set()).add(name)
     series: dict[tuple[str, int], list] = {(name, rank): [] for rank, names in by_rank.items() for name in names}
-    for db in rank_databases(run_dir):
+
+    def read(db: RankDatabase, conn: sqlite3.Connection) -> list[tuple[tuple[str, int], dict[str, Any]]]:
         names = sorted(by_rank.get(db.rank, ()))
         if not names:
-            continue
-        with reading_only(db.path) as conn:
+            return []
+        return [
+            ((r["site"], db.rank), dict(r))
             for r in conn.execute(
                 "SELECT s.name AS site, t.step, t.checks, t.max_row, t.max_col, t.threshold_row, t.threshold_col,"
                 " t.calibrating FROM step_stats t JOIN sites s ON s.id = t.site_id"
                 f" WHERE s.name IN ({','.join('?' * len(names))}) ORDER BY t.step",
                 names,
-            ):
-                series[(r["site"], db.rank)].append(dict(r))
+            )
+        ]
+
+    for key, row in _collect(run, read):
+        series[key].append(row)
     return series
 
 
-def _rows_by_step(run_dir: str | os.PathLike, query: str) -> list[dict[str, Any]]:
+def _rows_by_step(run: str | os.PathLike | RunStores, query: str) -> list[dict[str, Any]]:
     """The rows of `query` (which selects a `step` column) from every rank's store, each with its
     rank, ordered by step and rank."""
-    rows = [dict(r) | {"rank": db.rank} for db, conn in _each_rank_read_only(run_dir) for r in conn.execute(query)]
-    rows.sort(key=lambda r: (r["step"], r["rank"]))
+    rows = _collect(run, lambda db, conn: [dict(r) | {"rank": db.rank} for r in conn.execute(query)])
+    rows.sort(key=lambda r: (_order(r["step"]), r["rank"]))
     return rows
 
 
-def read_nonfinite(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+def read_nonfinite(run: str | os.PathLike | RunStores) -> list[dict[str, Any]]:
     """Checked calls whose inputs held NaN/Inf, per step, site and rank, ordered by step."""
     return _rows_by_step(
-        run_dir,
+        run,
         "SELECT t.step, s.name AS site, t.nonfinite FROM step_stats t JOIN sites s ON s.id = t.site_id"
         " WHERE t.nonfinite > 0 ORDER BY t.step, s.id",
     )
 
 
-def read_events(run_dir: str | os.PathLike, kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:
+def read_events(run: str | os.PathLike | RunStores, kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:
     """Events of all ranks (of the given kinds, else all), ordered by step; an event of no step
     (a configuration warning) comes first."""
     wanted = None if kinds is None else sorted(set(kinds))
     where = "" if wanted is None else f" WHERE e.kind IN ({','.join('?' * len(wanted))})"
-    rows = []
-    for db, conn in _each_rank_read_only(run_dir):
+
+    def read(db: RankDatabase, conn: sqlite3.Connection) -> list[dict[str, Any]]:
+        rows = []
         for r in conn.execute(
             "SELECT e.step, e.kind, e.message, e.data_json, e.wall, s.name AS site FROM events e"
             f" LEFT JOIN sites s ON s.id = e.site_id{where} ORDER BY e.id",
@@ -626,14 +987,17 @@ def read_events(run_dir: str | os.PathLike, kinds: Iterable[str] | None = None) 
         ):
             rows.append({"step": r["step"], "kind": r["kind"], "site": r["site"], "rank": db.rank,
                          "message": r["message"], "data": _loads(r["data_json"]), "wall": r["wall"]})  # fmt: skip
-    rows.sort(key=lambda r: (-1 if r["step"] is None else r["step"], r["rank"]))
+        return rows
+
+    rows = _collect(run, read)
+    rows.sort(key=lambda r: (_order(r["step"]), r["rank"]))  # None (no step) first
     return rows
 
 
-def read_verdicts(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+def read_verdicts(run: str | os.PathLike | RunStores) -> list[dict[str, Any]]:
     """Every verdict of all ranks with its vTask's site, step and channel, ordered by step."""
     return _rows_by_step(
-        run_dir,
+        run,
         "SELECT v.vtask_id, t.step, s.name AS site, t.channel, v.kind, v.wrong_execution, v.replay_ms,"
         " v.latency_steps, v.latency_ms, v.decided_step FROM verdicts v JOIN vtasks t ON t.id = v.vtask_id"
         " LEFT JOIN sites s ON s.id = t.site_id ORDER BY t.step, v.vtask_id",

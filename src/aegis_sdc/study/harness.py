@@ -124,8 +124,8 @@ def run_study(
         rows: list[modes.Row] = []
         logged = 0
         for step, step_rows in steps:
-            fired = injector.log[logged:] if injector else []
-            logged += len(fired)
+            fired = injector.log.since(logged) if injector else []
+            logged = injector.log.total if injector else 0
             step_rows += [(step, site, "fault", float(n)) for site, n in Counter(i.site for i in fired).items()]
             store.write_study_metrics(step_rows)
             rows.extend(step_rows)

@@ -35,6 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from aegis_sdc.bounded import RECORDS_KEPT
 from aegis_sdc.config import VerifyConfig
 from aegis_sdc.events import Channel, Verdict, VerdictKind, VTask, WrongExecution
 
@@ -47,7 +48,7 @@ class VerifierTelemetry:
     max_latency_ms: float = 0.0
     max_backlog: int = 0
     last_backlog: int = 0
-    latencies_ms: list[float] = field(default_factory=list)
+    latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECORDS_KEPT))  # the latest
 
 
 class Verifier:
