@@ -25,6 +25,8 @@
 #                 (results/gluon_pingpong_probe.json)
 #   state-sensors the state sensors' GPU tests, then their cost in the 1.1B step (results/state_sensors.json)
 #   tile-check    the tile-local row check probe (results/gemm_tile_check.json)
+#   screen        `aegis screen`'s GPU tests, then the healthy and faulty screens of the H200
+#                 (results/screen.json)
 #   cutlass-probe CUTLASS's CuTe DSL Hopper GEMM beside ours (results/cutlass_probe.json). Needs, carried in
 #                 the ignored folder .dsl/: dsl.tar.xz (nvidia-cutlass-dsl[cu13] unpacked for the device's
 #                 Python, with its deps) and CUTLASS's dense_gemm_persistent.py example (CuTe DSL, Hopper)
@@ -123,6 +125,12 @@ case "${1:-tests-1}" in
     timeout 420 python benchmarks/state_sensors.py --out benchmarks/results/state_sensors.json 2>&1 | grep -v Warn \
       | tee "$out/state_sensors.log" | tail -12
     cp benchmarks/results/state_sensors.json "$out/" 2>/dev/null ;;
+  screen)
+    timeout 240 python -m pytest -q -m gpu tests/test_screen.py -p no:cacheprovider 2>&1 \
+      | tee "$out/screen_tests.log" | tail -5
+    timeout 330 python benchmarks/screen.py --out benchmarks/results/screen.json 2>&1 | grep -v Warn \
+      | tee "$out/screen.log" | tail -15
+    cp benchmarks/results/screen.json "$out/" 2>/dev/null ;;
   tile-check)
     timeout 400 python benchmarks/gemm_tile_check.py --out benchmarks/results/gemm_tile_check.json 2>&1 \
       | tee "$out/gemm_tile_check.log" | tail -25
@@ -147,5 +155,5 @@ case "${1:-tests-1}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|evidence|diagnose|evidence-parts|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|gluon-probe|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|evidence|diagnose|evidence-parts|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

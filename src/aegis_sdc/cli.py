@@ -70,9 +70,9 @@ def _demo_device_option(value: str) -> str:
     return value
 
 
-def _study_device_option(value: str | None) -> str | None:
-    """A CPU or an available CUDA device (the study's replicas train on these two kinds only)."""
-    if value is None or value == "cpu":
+def _cpu_or_cuda(value: str, refusal: str) -> str:
+    """`value` when it is cpu or an available CUDA device; else a usage error saying `refusal`."""
+    if value == "cpu":
         return value
     import torch
 
@@ -81,9 +81,14 @@ def _study_device_option(value: str | None) -> str | None:
     except (RuntimeError, TypeError, ValueError) as error:
         raise typer.BadParameter(f"{value!r} is not a device") from error
     if device.type != "cuda":
-        raise typer.BadParameter(f"the study runs on cpu or cuda devices, got {value!r}")
+        raise typer.BadParameter(f"{refusal}, got {value!r}")
     _require_cuda(device.index)
     return value
+
+
+def _study_device_option(value: str | None) -> str | None:
+    """A CPU or an available CUDA device (the study's replicas train on these two kinds only)."""
+    return value if value is None else _cpu_or_cuda(value, "the study runs on cpu or cuda devices")
 
 
 def _study_mode_option(value: str) -> str:
@@ -378,6 +383,33 @@ def incidents(
         raise typer.Exit(1)
 
 
+@app.command()
+def checkpoints(
+    run_dir: Path = typer.Argument(..., help="A run directory holding aegis-rank*.sqlite stores."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List a run's checkpoints with their certificates: certified (nothing known corrupted the state),
+    pending (decided at a later step) or uncertified, with the reason (docs/response.md).
+
+    Exit status as `aegis incidents`: 1 when a store was skipped or damaged, 2 when none could be read.
+    """
+    from aegis_sdc.store.sqlite import read_checkpoints
+
+    with _open_run(run_dir) as stores:
+        rows = read_checkpoints(stores)
+    if as_json:
+        typer.echo(json.dumps([{k: v for k, v in r.items() if k != "certificate"} for r in rows], indent=2))
+    else:
+        table = Table(title=f"checkpoints in {_shown(run_dir)}", title_justify="left")
+        for column in ("step", "rank", "status", "path", "reason"):
+            table.add_column(column, overflow="fold")
+        for r in rows:
+            table.add_row(*(_shown(r[key]) for key in ("step", "rank", "status", "path", "reason")))
+        _console().print(table)
+    if _print_problems(stores.problems):
+        raise typer.Exit(1)
+
+
 def _print_incidents(
     run_dir: Path,
     rows: list[dict[str, Any]],
@@ -436,6 +468,253 @@ def report(
     typer.echo(str(path))
     if _print_problems(stores.problems):
         raise typer.Exit(1)
+
+
+QUARANTINE_FORMATS = ("json", "slurm-exclude", "k8s")
+
+
+def _quarantine_format_option(value: str) -> str:
+    if value not in QUARANTINE_FORMATS:
+        raise typer.BadParameter(f"must be one of {', '.join(QUARANTINE_FORMATS)}, got {value!r}")
+    return value
+
+
+@app.command()
+def quarantine(
+    run_dir: Path = typer.Argument(..., help="A run directory holding aegis-rank*.sqlite stores."),
+    output_format: str = typer.Option(
+        "json", "--format", callback=_quarantine_format_option, help="json, slurm-exclude or k8s."
+    ),
+    list_path: Path = typer.Option(None, "--list", help="The quarantine list (default: RUN_DIR/quarantine.jsonl)."),
+) -> None:
+    """Print the devices to drain, for a scheduler: the quarantine list's devices and those of every
+    incident committed in the stores, as JSON, a Slurm host list (--exclude=) or kubectl commands.
+
+    Exit status 1: a store skipped or damaged, the list unreadable, or an unsafe host name refused.
+
+    Exit status 2: no store could be read (as `aegis incidents`).
+    """
+    from aegis_sdc.response.quarantine import (
+        k8s_commands,
+        read_quarantine,
+        scheduler_devices,
+        scheduler_hosts,
+        slurm_exclude,
+        split_unsafe,
+    )
+    from aegis_sdc.store.sqlite import read_incidents
+
+    with _open_run(run_dir) as stores:
+        records = read_incidents(stores)
+    errors = _console(stderr=True)
+    failed = False
+    path = list_path or run_dir / "quarantine.jsonl"
+    try:
+        entries = read_quarantine(path)
+    except OSError as error:  # a directory, a symbolic link, no permission
+        reason = _shown(error.strerror or error)
+        errors.print(f"error: {_shown(path)}: cannot be read ({reason}); the stores' devices are listed")
+        entries, failed = [], True
+    devices = scheduler_devices(entries, records)
+    for d in devices:
+        if not d["listed"]:
+            errors.print(
+                f"note: {_shown(d['host'])} {_shown(d['gpu_uuid'] or d['device'])} (incident {_shown(d['incident_id'])}"
+                f" of rank {_shown(d['rank'])}, step {_shown(d['step'])}) is in the stores but not in the quarantine"
+                " list (a process killed between the two writes): included"
+            )
+    if output_format == "json":
+        problems = [{"path": str(p.path), "reason": p.reason, "skipped": p.skipped} for p in stores.problems]
+        document = {"run_dir": str(run_dir), "devices": devices, "hosts": scheduler_hosts(devices),
+                    "problems": problems}  # fmt: skip
+        typer.echo(json.dumps(document, indent=2, default=str))  # JSON escapes control characters itself
+    else:
+        safe, unsafe = split_unsafe(devices)
+        for host in unsafe:  # never printed where a shell or scheduler would parse it
+            errors.print(
+                f"error: host name '{_shown(host)}' refused: only letters, digits, '.', '-' and '_' (a letter or"
+                " digit first) are printed; its devices are left out"
+            )
+        failed = failed or bool(unsafe)
+        if output_format == "slurm-exclude":
+            typer.echo(slurm_exclude(safe))
+        else:
+            for line in k8s_commands(safe):
+                typer.echo(line)
+    if _print_problems(stores.problems) or failed:
+        raise typer.Exit(1)
+
+
+def _replay_device_option(value: str) -> str:
+    """cpu, or an available cuda[:N]."""
+    return _cpu_or_cuda(value, "must be cpu or cuda:N")
+
+
+def _fault_option(value: str | None) -> str | None:
+    if value is not None:
+        from aegis_sdc.faults.models import FaultSpec
+
+        try:
+            FaultSpec.parse(value)
+        except ValueError as error:
+            raise typer.BadParameter(str(error)) from error
+    return value
+
+
+@app.command()
+def replay(
+    evidence: Path = typer.Argument(..., help="An evidence file (RUN_DIR/evidence/incident-R-N.json or .safetensors)."),
+    device: str = typer.Option("cpu", "--device", callback=_replay_device_option, help="cpu or cuda:N."),
+    times: int = typer.Option(3, "--times", min=1, help="How many times to re-execute the computation."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+    inject: str = typer.Option(
+        None,
+        "--inject",
+        hidden=True,
+        callback=_fault_option,
+        help="Tests: a fault spec (SITE@field=value,...) applied to every run.",
+    ),
+) -> None:
+    """Re-execute an incident's evidence on a device: does it compute the right or the wrong values?
+
+    Exit status: 0 every run computed the right values (the device is healthy for this evidence);
+    3 a run reproduced the wrong values and no run computed anything else (the device is faulty);
+    4 a run computed something else (unstable, or a device whose arithmetic differs); 2 the evidence
+    cannot be used (missing, truncated, modified, not replayable, or not here: Triton needs CUDA).
+    """
+    from aegis_sdc.faults.models import FaultSpec
+    from aegis_sdc.response.evidence import EvidenceError
+    from aegis_sdc.response.replay import replay_evidence
+
+    try:
+        result = replay_evidence(evidence, device, times, FaultSpec.parse(inject) if inject else None)
+    except EvidenceError as error:
+        _console(stderr=True).print(f"error: {_shown(error)}")
+        raise typer.Exit(2) from None
+    except RuntimeError as error:  # the device failed to run it (out of memory, a kernel launch)
+        _console(stderr=True).print(f"error: replay failed on {_shown(device)}: {_shown(str(error).splitlines()[0])}")
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        console = _console()
+        console.print(
+            f"{_shown(result.evidence)}: {_shown(result.site)}, step {result.step}, recorded on "
+            f"{_shown(result.recorded_on)}; replayed {len(result.runs)}× on {_shown(result.device)}"
+        )
+        for i, run in enumerate(result.runs, 1):
+            console.print(f"  run {i}: {run.upper()}")
+        note = " (right: within the exact fp32 error bound; the evidence holds no right values)"
+        console.print(f"{result.outcome}" + (note if result.right_by == "bound" else ""))
+    raise typer.Exit(result.exit_code)
+
+
+def _screen_device(value: str | None) -> str:
+    """cpu, an available cuda[:N], or (None) the current CUDA device where there is one."""
+    import torch
+
+    if value is None:
+        return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device: {value!r} is not a device") from None
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise ValueError(f"--device: must be cpu or cuda:N, got {value!r}")
+    if not torch.cuda.is_available():
+        raise ValueError("--device: CUDA was asked for but no CUDA device is available")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device: there is no cuda:{index} (CUDA devices here: {torch.cuda.device_count()})")
+    return f"cuda:{index}"
+
+
+@app.command()
+def screen(
+    device: str = typer.Option(None, "--device", help="cpu or cuda:N (default: the current CUDA device, else cpu)."),
+    record: Path = typer.Option(None, "--record", help="Write the cases' fingerprints as a reference to this file."),
+    against: Path = typer.Option(None, "--against", help="Compare bit for bit with a reference (it fixes the cases)."),
+    evidence: list[Path] = typer.Option(
+        None, "--evidence", help="A run directory, an evidence directory or file, replayed (repeatable)."
+    ),
+    shapes: str = typer.Option(None, "--shapes", help="tinyllama (default), llama3-8b, or Linear shapes INxOUT,..."),
+    scales: str = typer.Option(None, "--scales", help="Scales of the A operand (default 1e-3,1,1e3)."),
+    tokens: int = typer.Option(None, "--tokens", help="Rows of every GEMM (default 2048)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+    inject: str = typer.Option(
+        None, "--inject", hidden=True, help="Tests: a fault spec (SITE@field=value,...) the screened kernel applies."
+    ),
+) -> None:
+    """A health verdict on one device: its checked GEMMs over a model's shapes, and evidence replayed.
+
+    Exit status: 0 PASS; 3 FAIL (the device computed something wrong: a checksum beyond the exact bound,
+    two runs that differ, a difference from a comparable reference, evidence reproduced); 4 INCONCLUSIVE
+    (nothing failed, but the reference is from another kind of device or software, or an evidence replay
+    computed something else); 2 the screen could not run as asked (an option, a reference or evidence file).
+    """
+    from aegis_sdc.faults.models import FaultSpec
+    from aegis_sdc.response import screen as sc
+
+    def refuse(message: str) -> typer.Exit:
+        _console(stderr=True).print(f"error: {_shown(message)}")
+        return typer.Exit(sc.EXIT_ERROR)
+
+    try:
+        if record is not None and against is not None:
+            raise ValueError("--record and --against exclude each other")
+        fixed = [name for name, value in (("--shapes", shapes), ("--scales", scales), ("--tokens", tokens)) if value]
+        if against is not None and fixed:
+            raise ValueError(f"{', '.join(fixed)} given with --against: the reference fixes the cases")
+        if tokens is not None and tokens < 1:
+            raise ValueError(f"--tokens: must be >= 1, got {tokens}")
+        fault = FaultSpec.parse(inject) if inject else None
+        device = _screen_device(device)
+        reference = sc.load_reference(against) if against is not None else None
+        report = sc.screen(
+            device,
+            shapes=shapes or "tinyllama",
+            tokens=tokens or sc.DEFAULT_TOKENS,
+            scales=sc.parse_scales(scales) if scales else sc.DEFAULT_SCALES,
+            against=reference,
+            evidence=evidence or (),
+            fault=fault,
+        )
+        if record is not None and report.verdict != sc.FAIL:
+            sc.write_reference(report, record)
+            report.notes.append(f"reference written to {record}")
+        elif record is not None:
+            report.notes.append("no reference written: the screen failed")
+    except (ValueError, sc.ScreenError) as error:
+        raise refuse(str(error)) from None
+    except RuntimeError as error:  # the device failed to run it (out of memory, a kernel launch)
+        raise refuse(f"the screen failed on {device}: {str(error).splitlines()[0]}") from None
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        _print_screen(report)
+    raise typer.Exit(report.exit_code)
+
+
+def _print_screen(report) -> None:
+    console = _console()
+    env, counts = report.env, report.evidence_counts()
+    alarms = sum(c.alarm for c in report.cases)
+    console.print(
+        f"{_shown(env['device'])} ({_shown(env['path'])}, {_shown(env['dtype'])}): {len(report.cases)} cases in "
+        f"{report.seconds:.1f} s, {alarms} checksum alarm(s)"
+    )
+    if report.evidence:
+        console.print("evidence replayed: " + ", ".join(f"{n} {kind}" for kind, n in counts.items()))
+    if report.reference is not None and report.reference["compared"]:
+        console.print(f"against the reference: {len(report.reference['differs'])} case(s) differ bit for bit")
+    for failure in report.failing():
+        what = failure.get("case") or failure.get("evidence")
+        console.print(f"  {_shown(what)}: {_shown(failure['reason'])}")
+    for note in report.notes:
+        console.print(f"note: {_shown(note)}")
+    console.print(report.verdict)
 
 
 if __name__ == "__main__":

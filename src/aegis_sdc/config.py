@@ -20,7 +20,7 @@ from aegis_sdc.validation import INT64_MAX, INT64_MIN, check_bool, check_choice,
 
 CHECK_MODES = ("row", "row+col")
 AUTO_BUDGET = 0.01  # SamplingConfig(budget="auto") on CUDA: 1% of the step (see SamplingConfig)
-POLICIES = ("warn", "raise", "exit", "skip-step")
+POLICIES = ("warn", "raise", "exit", "skip-step", "rollback")
 BACKENDS = ("auto", "reference", "triton")
 
 # Exit status of a process stopped by the `exit` policy. Schedulers can requeue the job on other
@@ -249,6 +249,11 @@ class ResponseConfig:
       before the corrupted gradients are applied.
     - ``exit``: exit the process with `exit_code` (default 86, `EXIT_CODE_SDC`).
     - ``skip-step``: warn and drop this step's gradients so the optimizer skips the update.
+    - ``rollback``: restore the last certified checkpoint in-process (model, optimizer, RNG states, and
+      the caller's data position through `guard.on_rollback`) and go on from its step
+      (response/checkpoints.py, docs/response.md); with none certified yet it raises, as ``raise``.
+      Under torch.distributed with more than one rank it exits as ``exit`` (a rollback must be taken
+      by every rank together: restart the job from the certified checkpoint).
 
     With `quarantine` the device is appended to a JSON-lines quarantine list (default
     ``RUN_DIR/quarantine.jsonl``), written atomically.

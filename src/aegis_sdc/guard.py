@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import platform
 import time
 import warnings
@@ -77,7 +78,22 @@ from aegis_sdc.ops.cost import attention_check_cost_ms, check_cost_ms
 from aegis_sdc.ops.fingerprint import FingerprintPool
 from aegis_sdc.ops.gemm_replay import MODIFIED_BEFORE_REPLAY
 from aegis_sdc.ops.triton_linear import DeviceState, WeightSums
+from aegis_sdc.response.checkpoints import (
+    CERTIFIED,
+    PENDING,
+    UNCERTIFIED,
+    Certificate,
+    certificate_path,
+    fingerprints,
+    latest_certified,
+    load_state,
+    rng_states,
+    save_state,
+    set_rng_states,
+    write_certificate,
+)
 from aegis_sdc.response.console import StepConsole
+from aegis_sdc.response.evidence import write_incident_evidence
 from aegis_sdc.response.policies import Responder
 from aegis_sdc.response.quarantine import quarantine_entry
 from aegis_sdc.runtime import evidence as step_evidence
@@ -216,7 +232,7 @@ class Guard:
         self.injector = FaultInjector(config.faults, rank=self.identity.rank)
         self.registry = SiteRegistry()
         self.sensors = self.registry.gemm  # GemmSensor by site id
-        self.verifier = Verifier(config.verify)
+        self.verifier = Verifier(config.verify, keep_confirmed=True)  # confirmed contexts: evidence files
         self.incidents: BoundedLog[Incident] = BoundedLog()  # the latest; the store has them all
         self.counts: Counter[str] = Counter()
         self._listeners: list[Listener] = []
@@ -304,6 +320,16 @@ class Guard:
         self.step_recorder = StepRecorder(self.store, self.registry, self.injector, self.identity.rank)
         self.store.write_sites(self.registry.take_unwritten())
         self._stopping = True  # False while closing under an exception of the user's (see __exit__)
+        # certified checkpoints (response/checkpoints.py): this run's certificates, the first state a
+        # confirmed SDC not rolled back has corrupted, the latest step whose state the vote judged
+        self.certificates: list[Certificate] = []
+        self._corrupt_from: int | None = None
+        self._vote_judged_step = -1
+        self._rolled_back_to: int | None = None  # a rollback's step: the next step number
+        self._on_rollback: Callable[[int, Any], None] | None = None
+        self._restore: Callable[[str], Any] | None = None  # loads a checkpoint the caller certified
+        self.rollbacks = 0
+        self.responder.rollback = self._rollback
         self._handles = []
         self._forwards_at_start = 0
         self._forward_watch = model.register_forward_pre_hook(self._count_forward)  # removed once moot
@@ -661,6 +687,7 @@ class Guard:
             restore_linears(self._swaps)
             if self.dist is not None:
                 self.dist.close()
+            self._decide_certificates(final=True)
             summary = self.summary()
             self.console.close()
             self.responder.retry_quarantine()
@@ -713,7 +740,8 @@ class Guard:
             raise RuntimeError("this Guard is closed")
 
     def _advance(self) -> None:
-        self.clock.step += 1
+        rolled_back, self._rolled_back_to = self._rolled_back_to, None
+        self.clock.step = rolled_back if rolled_back is not None else self.clock.step + 1
         self.comm_checks.step = self.clock.step
         for checker in self._checkers:  # checkpointing enabled since the last step (a scan of the modules)
             if isinstance(checker, RecomputeChecker):
@@ -859,7 +887,7 @@ class Guard:
             if collected.gate is not None:  # held (a step without checks was not)
                 self.gate.release(optimizer, collected.held_found_inf)
             report = self._conclude(collected, drain=False)  # may raise: the update stays held back
-            if report.alarms:  # the gate held the update back; the verdicts let it through
+            if report.alarms and self._rolled_back_to is None:  # held back; the verdicts let it through
                 self.gate.reapply(optimizer, args, kwargs)
         if self.update_replay is not None and self.update_replay.pending:  # the update has run: replay its slice
             span = self.sensor_clock.begin("update_replay", self.clock.step)
@@ -941,7 +969,9 @@ class Guard:
         if self.injector and not self._fault_sites_named and (collected.records or collected.attention):
             self._name_unmatched_faults(report)
         self._record(report)
+        self._note_incidents(report)
         self._respond(report)
+        self._decide_certificates(final=False)
         return report
 
     def _judge(self, collected: Collected, synced: list, comm_values: list, report: StepReport) -> dict[int, Evidence]:
@@ -1059,6 +1089,8 @@ class Guard:
                 incident = Incident(self._next_incident, verdict.site, evidence.step, self.identity, evidence, verdict)
                 self._next_incident += 1
                 report.incidents.append(incident)
+                # its replay context as files, before the policy acts (never raises: a failure is logged)
+                write_incident_evidence(self.run_dir, incident, self.verifier.kept.pop(verdict.vtask_id, None))
         self.incidents.extend(report.incidents)
         _log_nonfinite_inputs(self.console, report.verdicts)
 
@@ -1128,6 +1160,7 @@ class Guard:
         gathered = everyone[:, : len(values) + COMM_SLOTS].contiguous().view(torch.float64)
         if vote is not None:
             self._judge_vote(vote, everyone[:, len(values) + COMM_SLOTS : -1], report, evidence_of)
+            self._vote_judged_step = max(self._vote_judged_step, vote.step)
         self._adopt_sensor_stretch(int(everyone[:, -1].max()), report)
         n = len(self.sensors)
         if step >= self.config.distributed.warmup_steps:
@@ -1170,6 +1203,132 @@ class Guard:
                 threshold=0.0, index=0, raw_l2=0.0, channels=(Channel.VOTE,),
             )  # fmt: skip
             self._alarm(report, evidence_of, evidence, VoteCapture(finding))
+
+    # -- certified checkpoints and rollback (response/checkpoints.py) -----------------------------
+    def save_checkpoint(self, path: str | os.PathLike, extra: Any = None) -> Certificate:
+        """Save the model, the optimizer, the RNG states, the step and `extra` (the caller's own state:
+        tensors and plain data) to `path` atomically, and certify it. Call it after the optimizer's step:
+        the checkpoint holds the state after the updates of steps < `step_number`."""
+        # a certificate describes one file: the old one goes before the file is replaced (a kill in
+        # between leaves a checkpoint without a certificate, never one with another file's)
+        certificate_path(path).unlink(missing_ok=True)
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict() if self.optimizer
+                 else None, "rng": rng_states(), "step": self.clock.step, "extra": extra}  # fmt: skip
+        save_state(path, state)
+        return self._certify(path, state, saved_by="aegis")
+
+    def certify(self, path: str | os.PathLike, state: Any) -> Certificate:
+        """Certify a checkpoint the caller saved (a `torch.save` file or a torch.distributed.checkpoint
+        directory) at the current step; `state` is what was saved (its tensors are fingerprinted). The
+        certificate is written beside it and to the store: certified now, or pending until the step
+        that decides it, or uncertified with the reason (docs/response.md). A rollback to such a
+        checkpoint needs `on_rollback(..., restore=...)`: the guard does not know its layout."""
+        return self._certify(path, state, saved_by="caller")
+
+    def _certify(self, path: str | os.PathLike, state: Any, saved_by: str) -> Certificate:
+        certificate = Certificate(path=str(path), step=self.clock.step, status=PENDING, reason="",
+                                  verified_through=-1, fingerprints=fingerprints(state),
+                                  identity=self.identity.to_dict(), run_dir=str(self.run_dir),
+                                  saved_by=saved_by)  # fmt: skip
+        self.certificates.append(certificate)
+        self._decide_certificates(final=False, only=len(self.certificates) - 1)
+        return self.certificates[-1]
+
+    def on_rollback(self, callback: Callable[[int, Any], None] | None = None,
+                    restore: Callable[[str], Any] | None = None) -> None:  # fmt: skip
+        """`callback(step, extra)` after a rollback restored a checkpoint: move the data to `step` (the
+        next step to run) from `extra`, what `save_checkpoint` was given. `restore(path)`: loads a
+        checkpoint the caller saved and certified (`certify`: a torch.distributed.checkpoint directory,
+        say) into the model and optimizer, and returns its `extra` (checkpoints.verify_state checks
+        what it loaded); the guard restores its own `save_checkpoint` files itself."""
+        self._on_rollback = callback
+        self._restore = restore
+
+    def _note_incidents(self, report: StepReport) -> None:
+        """The first state a confirmed SDC corrupts: a state vote's finding names the state itself; a
+        step's computation (its update lands unless a policy holds it back) the state after it."""
+        steps = [(i.step if i.site.kind in (StateKind.PARAM, StateKind.OPTIMIZER_STATE) else i.step + 1)
+                 for i in report.incidents]  # fmt: skip
+        steps += [v.step + 1 for v in report.verdicts if v.kind is VerdictKind.UNATTRIBUTED]
+        if steps:
+            first = min(steps)
+            self._corrupt_from = first if self._corrupt_from is None else min(self._corrupt_from, first)
+
+    def _decide_certificates(self, *, final: bool, only: int | None = None) -> None:
+        """Decide what can be decided of the pending certificates (and withdraw a certified one an
+        incident found later makes unsafe); `final`: at close, what is still pending is uncertified."""
+        pending_steps = [e.step for e in self._pending_evidence.values()]
+        indices = range(len(self.certificates)) if only is None else [only]
+        for i in indices:
+            c = self.certificates[i]
+            if c.status == UNCERTIFIED:
+                continue
+            unverified = sum(step < c.step for step in pending_steps)
+            verified_through = min([step for step in pending_steps if step < c.step], default=c.step) - 1
+            if self._corrupt_from is not None and self._corrupt_from <= c.step:
+                decided = c.decided(UNCERTIFIED, f"a confirmed SDC corrupted the state from step {self._corrupt_from} "
+                                    "on, before this checkpoint", verified_through)  # fmt: skip
+            elif c.status == CERTIFIED:
+                continue
+            elif unverified:
+                reason = f"{unverified} vTask(s) of earlier steps not verified yet"
+                decided = c.decided(UNCERTIFIED if final else PENDING, reason, verified_through)
+            elif self.state_vote is not None and self._vote_judged_step < c.step:
+                when = "was never judged" if final else f"is judged at the end of step {c.step + 1}"
+                reason = f"the replicas' vote on this state {when}"
+                decided = c.decided(UNCERTIFIED if final else PENDING, reason, verified_through)
+            else:
+                decided = c.decided(CERTIFIED, "", verified_through)
+            if (decided.status, decided.reason) != (c.status, c.reason) or c.decided_wall is None:
+                self.certificates[i] = decided
+                self._write_certificate(decided)
+
+    def _write_certificate(self, certificate: Certificate) -> None:
+        """Beside the checkpoint and in the store; a failure is logged, never raised (docs/operations.md)."""
+        try:
+            write_certificate(certificate)
+        except OSError as error:
+            log.error("aegis-sdc: the certificate of %s cannot be written: %s", certificate.path, error)
+        self.step_recorder.writer.submit(lambda: self.store.write_certificate(certificate))
+        if certificate.status != PENDING:
+            log.info("aegis-sdc: checkpoint %s (step %d): %s%s", certificate.path, certificate.step,
+                     certificate.status, f" — {certificate.reason}" if certificate.reason else "")  # fmt: skip
+
+    def _rollback(self, incidents: list[Incident]) -> bool:
+        """The `rollback` policy: restore the last certified checkpoint; False when there is none (or
+        under torch.distributed: the policy then raises or exits, see ResponseConfig)."""
+        if self.dist is not None:
+            raise SystemExit(self.config.response.exit_code)
+        self._decide_certificates(final=False)  # the incident just noted withdraws what it corrupts
+        usable = [c for c in self.certificates if c.saved_by == "aegis" or self._restore is not None]
+        certificate = latest_certified(usable)
+        if certificate is None:
+            return False
+        if certificate.saved_by == "aegis":
+            state = load_state(certificate.path)
+            self.model.load_state_dict(state["model"])
+            if self.optimizer is not None and state["optimizer"] is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            set_rng_states(state["rng"])
+            extra = state.get("extra")
+        else:
+            extra = self._restore(certificate.path)
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:  # the step in flight must not apply its update
+                for param in group["params"]:
+                    param.grad = None
+        # transient faults of the steps about to run again struck once; the state is clean again
+        self.injector.reexecuted_below = max(self.injector.reexecuted_below, self.clock.step + 1)
+        self._corrupt_from = None
+        self._rolled_back_to = certificate.step
+        self.rollbacks += 1
+        self._pending_events.append(("rollback", f"rolled back to {certificate.path} (step {certificate.step}) "
+                                     f"after a confirmed SDC at step {self.clock.step}", None))  # fmt: skip
+        log.warning("aegis-sdc: rolled back to the certified checkpoint %s (step %d)", certificate.path,
+                    certificate.step)  # fmt: skip
+        if self._on_rollback is not None:
+            self._on_rollback(certificate.step, extra)
+        return True
 
     def _state_site(self, param: str, kind: StateKind) -> Site:
         """The site of a parameter's state (vote or update replay), registered at its first finding."""

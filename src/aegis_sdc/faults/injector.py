@@ -32,6 +32,9 @@ class FaultInjector:
         self.specs = tuple(specs)
         self.rank = rank  # faults name the ranks whose device they model
         self.log: BoundedLog[Injection] = BoundedLog()  # the latest; the store has every one
+        # Steps below this are re-executions after a rollback: a transient fault struck them once and
+        # does not again; a persistent one (`affects_replay`: the device itself is faulty) does.
+        self.reexecuted_below = 0
         self._matches: dict[str, tuple[FaultSpec, ...]] = {}
 
     def __bool__(self) -> bool:
@@ -42,6 +45,9 @@ class FaultInjector:
         if found is None:
             found = self._matches[site_name] = tuple(s for s in self.specs if s.matches(site_name, self.rank))
         return found
+
+    def _strikes(self, spec: FaultSpec, step: int) -> bool:
+        return step >= self.reexecuted_below or spec.affects_replay
 
     def may_fire(self, site, step: int) -> bool:
         """Whether some call of `site` may get a fault at `step` (the step plan then runs it checked)."""
@@ -56,7 +62,7 @@ class FaultInjector:
         if not self.specs:
             return None
         for spec in self.specs_for(site.name):
-            if spec.fires(site.id, step, call):
+            if spec.fires(site.id, step, call) and self._strikes(spec, step):
                 # Before the site knows its median clean difference, delta is provisional (1.0 per
                 # unit of scale); the op rescales it by the call's own clean difference.
                 fault = resolve(spec, site.id, step, call, median_l2 if median_l2 is not None else 1.0)
@@ -72,7 +78,7 @@ class FaultInjector:
         activations). The element is `spec.row` or drawn from the seed; the bit is `spec.bit`
         modulo the element's width (0 = the lowest mantissa bit)."""
         for spec in self.specs_for(site.name) if self.specs else ():
-            if not spec.fires(site.id, step, call) or tensor.numel() == 0:
+            if not spec.fires(site.id, step, call) or not self._strikes(spec, step) or tensor.numel() == 0:
                 continue
             width = 8 * tensor.element_size()
             n = tensor.numel()

@@ -141,6 +141,7 @@ class GemmCapture(ReferencedOperands):
         a, b, tiling = operands.a, operands.b, operands.tiling
         m, n = a.shape[0], b.shape[1]
         self.extent = extent
+        self.shape = (m, n)  # C's [M, N]: a fault's element is drawn against it (evidence files keep it)
         self.tiling = tiling
         self.out_dtype = operands.out_dtype
         self.fault = fault

@@ -138,6 +138,40 @@ class TritonGemmCapture(ReferencedOperands):
             self.references = call.references
         self.versions = tuple(t._version for t in self.references)
 
+    @classmethod
+    def restore(
+        cls,
+        call: TritonGemmCall,
+        extent: str,
+        a_slab: torch.Tensor,
+        b_slab: torch.Tensor | None,
+        saved: TritonRegion,
+        row_block: int,
+        col_block: int,
+    ) -> TritonGemmCapture:
+        """A capture rebuilt from its parts (an evidence file), nothing referenced: `a_slab` A's row
+        block and, for a tile, `b_slab` B's column block, both in the kernel's layout and zero-padded to
+        BM / BN as the pool holds them; for rows, `call.b` holds all of B. `saved` is compared with."""
+        if extent not in ("tile", "rows"):
+            raise ValueError(f"extent must be tile or rows, got {extent!r}")
+        self = cls.__new__(cls)
+        cfg = call.cfg
+        bm, bn = cfg.block_m, cfg.block_n
+        self.call = call
+        self.tiles_m, self.tiles_n = -(-call.m // bm), -(-call.n // bn)
+        self.row_block, self.col_block = row_block, col_block
+        r0 = row_block * bm
+        self.rows = min(bm, call.m - r0)
+        self.a_slab, self.b_slab, self.extent, self.saved = a_slab, b_slab, extent, saved
+        if extent == "tile":
+            c0 = col_block * bn
+            self.cols = min(bn, call.n - c0)
+            self.region = Tile(r0, r0 + self.rows, c0, c0 + self.cols)
+        else:
+            self.region = Tile(r0, r0 + self.rows, 0, call.n)
+        self.references, self.versions = (), ()
+        return self
+
     def inputs_finite(self) -> bool:
         parts = [self.a_slab] + [t for t in (self.b_slab, self.call.b, self.call.bias) if t is not None]
         return all(bool(torch.isfinite(p).all()) for p in parts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from aegis_sdc.config import ResponseConfig
 from aegis_sdc.events import Incident, Verdict
@@ -18,13 +18,13 @@ class SilentDataCorruptionError(RuntimeError):
     """Raised by the ``raise`` policy; `incident` is the first confirmed incident (None when only
     corruptions no device could be blamed for were proven: `unattributed`), `incidents` all of the step."""
 
-    def __init__(self, incidents: Sequence[Incident], unattributed: Sequence[Verdict] = ()) -> None:
+    def __init__(self, incidents: Sequence[Incident], unattributed: Sequence[Verdict] = (), why: str = "") -> None:
         self.incidents = tuple(incidents)
         self.unattributed = tuple(unattributed)
         self.incident = self.incidents[0] if self.incidents else None
         messages = [i.describe() for i in self.incidents] + [describe_unattributed(v) for v in self.unattributed]
         more = f" (and {len(messages) - 1} more this step)" if len(messages) > 1 else ""
-        super().__init__(messages[0] + more)
+        super().__init__(messages[0] + more + (f"; {why}" if why else ""))
 
 
 def describe_unattributed(verdict: Verdict) -> str:
@@ -47,6 +47,8 @@ class Responder:
         self.pending_quarantine: list[dict] = []  # entries not yet written (the list failed)
         self.quarantine_failures = 0
         self.dropped_updates = 0  # updates `skip-step` dropped (the replica vote must know)
+        # the `rollback` policy's action (the guard's): restores a certified checkpoint, False if none
+        self.rollback: Callable[[Sequence[Incident]], bool] | None = None
         self._warning_limit = RateLimiter()  # SilentDataCorruptionWarning: one per step, rate-limited
 
     def adopt_list(self) -> None:
@@ -98,6 +100,9 @@ class Responder:
         self.quarantine([quarantine_entry(i.to_dict()) for i in incidents])
         messages = [i.describe() for i in incidents] + [describe_unattributed(v) for v in unattributed]
         policy = self.config.policy
+        rolled_back = policy == "rollback" and stopping and self.rollback is not None and self.rollback(incidents)
+        if policy == "rollback" and stopping and not rolled_back:
+            raise SilentDataCorruptionError(incidents, unattributed, "no certified checkpoint to roll back to")
         if policy == "raise" and stopping:
             raise SilentDataCorruptionError(incidents, unattributed)
         if policy == "exit" and stopping:

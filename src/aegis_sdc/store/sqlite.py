@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA_V1 = """
 CREATE TABLE run (
@@ -98,7 +98,17 @@ ALTER TABLE steps ADD COLUMN gemm_flops REAL NOT NULL DEFAULT 0;
 ALTER TABLE steps ADD COLUMN checked_flops REAL NOT NULL DEFAULT 0;
 """
 
-_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3}
+# v4: checkpoints and their certificates (response/checkpoints.py); one row per checkpoint path,
+# rewritten when its status is decided
+_SCHEMA_V4 = """
+CREATE TABLE checkpoints (
+    path TEXT PRIMARY KEY, step INTEGER NOT NULL, status TEXT NOT NULL, reason TEXT NOT NULL,
+    verified_through INTEGER NOT NULL, certificate_json TEXT NOT NULL, created_wall REAL NOT NULL,
+    decided_wall REAL
+);
+"""
+
+_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3, 4: _SCHEMA_V4}
 
 
 class StoreError(RuntimeError):
@@ -366,6 +376,16 @@ class Store:
             "INSERT INTO events (step, site_id, kind, message, data_json, wall) VALUES (?,?,?,?,?,?)",
             (step, site_id, kind, message, None if data is None else _dumps(data), time.time()),
         )
+
+    def write_certificate(self, certificate: Any) -> None:
+        """A checkpoint's certificate (response/checkpoints.Certificate), replacing its earlier status."""
+        c = certificate
+        self.conn.execute(
+            "INSERT OR REPLACE INTO checkpoints (path, step, status, reason, verified_through, certificate_json,"
+            " created_wall, decided_wall) VALUES (?,?,?,?,?,?,?,?)",
+            (c.path, c.step, c.status, c.reason, c.verified_through, _dumps(c.to_dict()), c.created_wall,
+             c.decided_wall),
+        )  # fmt: skip
 
     # -- a study (aegis_sdc.study) ------------------------------------------------------------------
     def write_study(self, mode: str, config: dict[str, Any]) -> None:
@@ -1002,3 +1022,24 @@ def read_verdicts(run: str | os.PathLike | RunStores) -> list[dict[str, Any]]:
         " v.latency_steps, v.latency_ms, v.decided_step FROM verdicts v JOIN vtasks t ON t.id = v.vtask_id"
         " LEFT JOIN sites s ON s.id = t.site_id ORDER BY t.step, v.vtask_id",
     )
+
+
+def read_checkpoints(run: str | os.PathLike | RunStores) -> list[dict[str, Any]]:
+    """Every checkpoint of all ranks with its certificate's status, ordered by step then rank (stores
+    written before schema version 4 have none)."""
+
+    def read(db: RankDatabase, conn: sqlite3.Connection) -> list[dict[str, Any]]:
+        if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'checkpoints'").fetchone():
+            return []
+        return [
+            dict(r) | {"rank": db.rank, "certificate": _loads(r["certificate_json"])}
+            for r in conn.execute(
+                "SELECT path, step, status, reason, verified_through, certificate_json FROM checkpoints"
+            )
+        ]
+
+    rows = _collect(run, read)
+    for row in rows:
+        row.pop("certificate_json")
+    rows.sort(key=lambda r: (r["step"], r["rank"], r["path"]))
+    return rows

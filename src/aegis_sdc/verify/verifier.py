@@ -23,6 +23,10 @@ distributed/comm_check.py, sensors/fingerprint.py, sensors/attention.py); GEMM p
    A difference only in the fp32 checksums (the rounded output is identical) is still a confirmed
    SDC, flagged `no_effect_on_output`.
 
+Evidence: with `keep_confirmed`, the context of a confirmed vTask and the verifier's replays of it are
+kept in `kept` (by vTask id) for the caller to write down (response/evidence.py) and pop; nothing is
+kept for any other verdict.
+
 Scheduling: `run()` is called at the end of every step, before the optimizer step. vTasks whose
 context references a tensor the optimizer may change are replayed then, whatever the budget; the
 others are replayed while the step's time budget lasts and otherwise wait (the backlog), up to
@@ -34,6 +38,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from aegis_sdc.bounded import RECORDS_KEPT
 from aegis_sdc.config import VerifyConfig
@@ -51,11 +56,22 @@ class VerifierTelemetry:
     latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECORDS_KEPT))  # the latest
 
 
+@dataclass(frozen=True)
+class KeptReplay:
+    """A confirmed vTask's replay context and the verifier's replays of it (in order; none for payloads
+    that decide for themselves)."""
+
+    payload: Any
+    replays: tuple[Any, ...]
+
+
 class Verifier:
-    def __init__(self, config: VerifyConfig) -> None:
+    def __init__(self, config: VerifyConfig, *, keep_confirmed: bool = False) -> None:
         self.config = config
         self.pending: deque[VTask] = deque()
         self.telemetry = VerifierTelemetry()
+        self.keep_confirmed = keep_confirmed
+        self.kept: dict[int, KeptReplay] = {}  # vTask id → its context, for confirmed verdicts; the caller pops
 
     def submit(self, tasks: list[VTask]) -> None:
         self.pending.extend(tasks)
@@ -84,8 +100,11 @@ class Verifier:
 
     def verify(self, task: VTask, step: int) -> Verdict:
         started = time.perf_counter()
-        kind, wrong, tiles, no_effect, detail = self._triage(task)
+        replays: list = []
+        kind, wrong, tiles, no_effect, detail = self._triage(task, replays)
         finished = time.perf_counter()
+        if self.keep_confirmed and kind is VerdictKind.CONFIRMED_SDC:
+            self.kept[task.id] = KeptReplay(task.payload, tuple(replays))
         task.payload = None  # release the replay context's tensors
         verdict = Verdict(
             vtask_id=task.id,
@@ -109,7 +128,8 @@ class Verifier:
         return verdict
 
     @staticmethod
-    def _triage(task: VTask):
+    def _triage(task: VTask, replays: list):
+        """The verdict's fields; the GEMM replays run are appended to `replays`."""
         payload = task.payload
         evidence_tile = (task.evidence.tile,) if task.evidence.tile else ()
         if payload is None:
@@ -137,6 +157,7 @@ class Verifier:
         try:
             saved = payload.saved
             first = payload.replay()
+            replays.append(first)
             diff = payload.diff(saved, first)
             if diff.derived_differs:
                 return VerdictKind.NOT_VERIFIABLE, None, (), False, _operand_changed(payload, first)
@@ -156,6 +177,7 @@ class Verifier:
                     )
                 return VerdictKind.FALSE_ALARM, None, (), False, "replay reproduced every bit"
             second = payload.replay()
+            replays.append(second)
             if payload.diff(first, second).equal:
                 wrong, detail = (
                     WrongExecution.ORIGINAL,
