@@ -285,6 +285,7 @@ def test_a_bounded_log_keeps_the_latest_and_counts_the_rest():
 
 def test_a_storm_keeps_memory_bounded_the_counts_whole_and_the_console_rate_limited(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr("aegis_sdc.bounded.RECORDS_KEPT", 4)
+    monkeypatch.setattr("aegis_sdc.response.evidence.MAX_EVIDENCE_FILES", 3)
     caplog.set_level(logging.INFO, logger="aegis_sdc")
     storm = aegis.FaultSpec(site=SITE, model="bitflip", bit=27, steps=range(2, 30))
     model, data, optimizer = small_workload()
@@ -301,6 +302,8 @@ def test_a_storm_keeps_memory_bounded_the_counts_whole_and_the_console_rate_limi
     assert summary.confirmed == guard.incidents.total == len(stored) >= 24  # the store has every one
     assert len(guard.incidents) == 4 and [i.id for i in guard.incidents] == [row[0] for row in stored[-4:]]
     assert summary.records_dropped_from_memory == (summary.confirmed - 4) + (28 - 4)
+    assert len(list((tmp_path / "run" / "evidence").glob("*.json"))) == 3  # the disk is bounded too
+    assert guard.evidence_budget.skipped == summary.confirmed - 3
     lines = [r for r in caplog.records if r.name == "aegis_sdc" and r.levelno >= logging.WARNING]
     # 28 steps with an incident each: 56 lines (the incident, the step's summary) unlimited
     assert BURST <= len(lines) <= BURST + refilled + 1 < 2 * summary.confirmed, (len(lines), refilled)

@@ -93,7 +93,7 @@ from aegis_sdc.response.checkpoints import (
     write_certificate,
 )
 from aegis_sdc.response.console import StepConsole
-from aegis_sdc.response.evidence import write_incident_evidence
+from aegis_sdc.response.evidence import EvidenceBudget, write_incident_evidence
 from aegis_sdc.response.policies import Responder
 from aegis_sdc.response.quarantine import quarantine_entry
 from aegis_sdc.runtime import evidence as step_evidence
@@ -233,6 +233,7 @@ class Guard:
         self.registry = SiteRegistry()
         self.sensors = self.registry.gemm  # GemmSensor by site id
         self.verifier = Verifier(config.verify, keep_confirmed=True)  # confirmed contexts: evidence files
+        self.evidence_budget = EvidenceBudget()  # evidence files written, skipped past the limit, failed
         self.incidents: BoundedLog[Incident] = BoundedLog()  # the latest; the store has them all
         self.counts: Counter[str] = Counter()
         self._listeners: list[Listener] = []
@@ -1090,7 +1091,8 @@ class Guard:
                 self._next_incident += 1
                 report.incidents.append(incident)
                 # its replay context as files, before the policy acts (never raises: a failure is logged)
-                write_incident_evidence(self.run_dir, incident, self.verifier.kept.pop(verdict.vtask_id, None))
+                write_incident_evidence(self.run_dir, incident, self.verifier.kept.pop(verdict.vtask_id, None),
+                                        self.evidence_budget)  # fmt: skip
         self.incidents.extend(report.incidents)
         _log_nonfinite_inputs(self.console, report.verdicts)
 

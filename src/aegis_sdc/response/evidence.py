@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +77,44 @@ def evidence_paths(run_dir: str | Path, rank: int, incident_id: int) -> tuple[Pa
 # -- writing ---------------------------------------------------------------------------------------
 
 
-def write_incident_evidence(run_dir: str | Path, incident: Incident, kept: KeptReplay | None) -> Path | None:
-    """Write the incident's evidence pair; the JSON's path, or None when it could not be written
-    (logged: this runs inside the training step and must never end it)."""
+# Evidence pairs one guard writes at most: a storm of incidents (a device failing every step) must not
+# fill the disk — the first thousand say what the device does, and the store has every incident.
+MAX_EVIDENCE_FILES = 1000
+
+
+@dataclass
+class EvidenceBudget:
+    """What one guard wrote, let go past `limit`, and failed to write."""
+
+    limit: int = field(default_factory=lambda: MAX_EVIDENCE_FILES)  # read at construction
+    written: int = 0
+    skipped: int = 0
+    failed: int = 0
+
+
+def write_incident_evidence(run_dir: str | Path, incident: Incident, kept: KeptReplay | None,
+                            budget: EvidenceBudget | None = None) -> Path | None:  # fmt: skip
+    """Write the incident's evidence pair; the JSON's path, or None when it was not written (past the
+    budget, said once; or a failure, logged: this runs inside the training step and must never end it)."""
+    budget = budget if budget is not None else EvidenceBudget()
+    if budget.written >= budget.limit:
+        budget.skipped += 1
+        if budget.skipped == 1:
+            log.warning("aegis-sdc: %d evidence files written; later incidents keep theirs in the store only",
+                        budget.written)  # fmt: skip
+        return None
     try:
         meta, tensors = describe(incident, kept)
-        return _write_pair(run_dir, incident, meta, tensors)
-    except Exception:  # a full disk, an unexpected context: logged, training goes on
-        log.exception("aegis-sdc: the evidence file of incident %s could not be written", incident.id)
+        written = _write_pair(run_dir, incident, meta, tensors)
+    except Exception:  # a full disk, an unexpected context: logged (the first in full), training goes on
+        budget.failed += 1
+        if budget.failed == 1:
+            log.exception("aegis-sdc: the evidence file of incident %s could not be written", incident.id)
+        elif budget.failed % 100 == 0:
+            log.error("aegis-sdc: %d evidence files could not be written", budget.failed)
         return None
+    budget.written += 1
+    return written
 
 
 def describe(incident: Incident, kept: KeptReplay | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
