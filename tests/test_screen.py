@@ -18,6 +18,7 @@ import aegis_sdc as aegis
 from aegis_sdc.cli import app
 from aegis_sdc.faults.models import FaultSpec
 from aegis_sdc.response import screen as sc
+from aegis_sdc.response.evidence import load_evidence
 
 SHAPES = ["--device", "cpu", "--shapes", "64x48,48x96", "--tokens", "64"]  # 2 Linears × 3 GEMMs × 3 scales
 
@@ -263,3 +264,131 @@ def test_gpu_screen_records_passes_and_flags_a_faulty_kernel(tmp_path):
     assert {f["case"] for f in low.failing()} == {f"2048x256:fwd@scale={s}" for s in ("0.001", "1", "1000")}
     gross = sc.screen("cuda", fault=FaultSpec.parse("2048x2048:wgrad@model=bitflip,bit=30,steps=0"), **kwargs)
     assert [(f["case"], f["reason"][:8]) for f in gross.failing()] == [("2048x2048:wgrad@scale=0.001", "checksum")]
+
+
+# -- clean samples ---------------------------------------------------------------------------------
+
+CLEAN_EVERY, CLEAN_MAX, CLEAN_STEPS = 3, 40, 8  # windows [3, 6) and [6, 9): two per site, capped at 40
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """A clean run with the clean samples' constants lowered: every 3 steps, at most 40."""
+    from aegis_sdc.sensors import gemm
+
+    model, data, optimizer = small_workload()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gemm, "CLEAN_SAMPLE_EVERY", CLEAN_EVERY)
+        patch.setattr(gemm, "MAX_CLEAN_SAMPLES", CLEAN_MAX)
+        guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path_factory.mktemp("clean-run")))
+    try:
+        train(model, data, optimizer, CLEAN_STEPS)
+    finally:
+        guard.close()
+    assert not guard.incidents
+    return guard
+
+
+def _clean_files(run_dir) -> list:
+    return sorted((run_dir / "evidence").glob("clean-*.json"))
+
+
+def test_a_run_keeps_a_bounded_sample_of_clean_tiles(clean_run):
+    files = _clean_files(clean_run.run_dir)
+    metas = [json.loads(f.read_text()) for f in files]
+    assert len(metas) == CLEAN_MAX and clean_run.clean_budget.written == CLEAN_MAX
+    sites = {s.id for s in clean_run.sites if s.id < len(clean_run.sensors)}
+    # one per site at the first checked step of each window (every call is checked on the CPU), none
+    # in the first window, nothing on the other steps; the cap stops the second window part way
+    assert {m["site_id"] for m in metas if m["step"] == 3} == sites and len(sites) < CLEAN_MAX
+    assert {m["step"] for m in metas} == {3, 6}
+    assert len({(m["site_id"], m["step"]) for m in metas}) == CLEAN_MAX
+    for path, meta in zip(files, metas, strict=True):
+        assert meta["clean"] is True and meta["incident"] is None and meta["replayable"]
+        assert path.name == f"clean-0-{meta['site_id']}-{meta['step']}.json"
+        assert (path.parent / meta["tensors"]["file"]).is_file()
+        gemm = meta["gemm"]
+        assert gemm["path"] == sc.REFERENCE and gemm["extent"] == "tile" and gemm["values"]["wrong"] is None
+        assert meta["recorded_env"]["path"] == sc.REFERENCE and meta["recorded_env"]["device"].startswith("cpu")
+    loaded = load_evidence(files[0])
+    assert loaded.tensors and not any(name.startswith("wrong.") for name in loaded.tensors)
+
+
+def test_a_healthy_device_reproduces_the_clean_samples(clean_run):
+    from aegis_sdc.response.replay import EXIT_RIGHT, replay_evidence
+
+    result = invoke(*SHAPES, "--evidence", str(clean_run.run_dir), "--json")
+    assert result.exit_code == sc.EXIT_PASS, result.output
+    report = json.loads(result.output)
+    assert report["verdict"] == sc.PASS and report["failing"] == []
+    assert report["clean_counts"] == {"right": CLEAN_MAX, "differs": 0, "uncompared": 0}
+    assert report["evidence_counts"] == {"right": 0, "wrong": 0, "other": 0, "skipped": 0}
+    assert all(e["clean"] and e["runs"] == ["right"] * sc.REPLAY_TIMES for e in report["evidence"])
+    one = replay_evidence(_clean_files(clean_run.run_dir)[0], "cpu", 2)  # `aegis replay` reads them too
+    assert one.exit_code == EXIT_RIGHT and one.clean and one.right_by == "bits"
+
+
+def test_a_faulty_device_fails_on_a_clean_sample(clean_run):
+    path = _clean_files(clean_run.run_dir)[0]
+    meta = json.loads(path.read_text())
+    region = meta["gemm"]["region"]
+    row, col = region["row_start"] + 1, region["col_start"] + 2  # inside the stored tile
+    spec = f"{meta['site']}@model=bitflip,bit=22,steps={meta['step']},row={row},col={col}"
+    result = invoke(*SHAPES, "--evidence", str(clean_run.run_dir), "--inject", spec, "--json")
+    assert result.exit_code == sc.EXIT_FAIL, result.output
+    report = json.loads(result.output)
+    failing = {f["evidence"]: f["reason"] for f in report["failing"]}
+    reason = f"the clean sample of {meta['site']} at step {meta['step']} was not reproduced bit for bit"
+    assert failing[str(path)] == reason
+    # only the samples of the faulted site whose tile holds the element can fail
+    entries = {e["evidence"]: e for e in report["evidence"]}
+    assert all(entries[p]["site"] == meta["site"] and entries[p]["faulted"] for p in failing)
+    assert report["clean_counts"]["differs"] == len(failing) and not any(c["faulted"] for c in report["cases"])
+
+
+def _copy_evidence(run_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "evidence"
+    shutil.copytree(run_dir / "evidence", folder)
+    return folder, sorted(folder.glob("clean-*.json"))[0]
+
+
+def test_a_tampered_clean_sample_exits_2_or_fails(clean_run, tmp_path):
+    import hashlib
+
+    from safetensors.torch import load, save
+
+    folder, path = _copy_evidence(clean_run.run_dir, tmp_path)
+    meta = json.loads(path.read_text())
+    tensor_file = folder / meta["tensors"]["file"]
+    data = bytearray(tensor_file.read_bytes())
+    data[-1] ^= 1  # a modified tensor file: its sha256 is not the one the JSON names
+    tensor_file.write_bytes(bytes(data))
+    result = invoke(*SHAPES, "--evidence", str(folder))
+    assert result.exit_code == sc.EXIT_ERROR and result.output.startswith("error: "), result.output
+    assert "sha256" in result.output and len(result.output.strip().splitlines()) == 1
+    # a forged right value with a matching sha256: the file is usable, and the device does not reproduce it
+    data[-1] ^= 1
+    tensors = load(bytes(data))
+    tensors["right.out"] = tensors["right.out"].clone()
+    tensors["right.out"].view(-1)[0] += 1.0
+    forged = save(tensors)
+    tensor_file.write_bytes(forged)
+    meta["tensors"]["sha256"] = hashlib.sha256(forged).hexdigest()
+    path.write_text(json.dumps(meta))
+    result = invoke(*SHAPES, "--evidence", str(folder), "--json")
+    assert result.exit_code == sc.EXIT_FAIL, result.output
+    assert [f["evidence"] for f in json.loads(result.output)["failing"]] == [str(path)]
+
+
+def test_a_clean_sample_from_another_kind_of_device_is_inconclusive(clean_run, tmp_path):
+    folder, path = _copy_evidence(clean_run.run_dir, tmp_path)
+    meta = json.loads(path.read_text())
+    meta["recorded_env"]["device"] = "NVIDIA H100 80GB HBM3 sm_90"
+    path.write_text(json.dumps(meta))
+    result = invoke(*SHAPES, "--evidence", str(folder), "--json")
+    assert result.exit_code == sc.EXIT_INCONCLUSIVE, result.output
+    report = json.loads(result.output)
+    assert report["clean_counts"] == {"right": CLEAN_MAX - 1, "differs": 0, "uncompared": 1}
+    assert any("another kind of device" in note and "device" in note for note in report["notes"])

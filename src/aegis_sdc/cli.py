@@ -575,7 +575,7 @@ def replay(
         help="Tests: a fault spec (SITE@field=value,...) applied to every run.",
     ),
 ) -> None:
-    """Re-execute an incident's evidence on a device: does it compute the right or the wrong values?
+    """Re-execute an evidence file (an incident's, or a clean sample's) on a device: right or wrong values?
 
     Exit status: 0 every run computed the right values (the device is healthy for this evidence);
     3 a run reproduced the wrong values and no run computed anything else (the device is faulty);
@@ -705,8 +705,10 @@ def _print_screen(report) -> None:
         f"{_shown(env['device'])} ({_shown(env['path'])}, {_shown(env['dtype'])}): {len(report.cases)} cases in "
         f"{report.seconds:.1f} s, {alarms} checksum alarm(s)"
     )
-    if report.evidence:
+    if any(not e.get("clean") for e in report.evidence):
         console.print("evidence replayed: " + ", ".join(f"{n} {kind}" for kind, n in counts.items()))
+    if any(e.get("clean") for e in report.evidence):
+        console.print("clean samples: " + ", ".join(f"{n} {kind}" for kind, n in report.clean_counts().items()))
     if report.reference is not None and report.reference["compared"]:
         console.print(f"against the reference: {len(report.reference['differs'])} case(s) differ bit for bit")
     for failure in report.failing():

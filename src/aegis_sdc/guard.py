@@ -93,7 +93,7 @@ from aegis_sdc.response.checkpoints import (
     write_certificate,
 )
 from aegis_sdc.response.console import StepConsole
-from aegis_sdc.response.evidence import EvidenceBudget, write_incident_evidence
+from aegis_sdc.response.evidence import CleanSample, EvidenceBudget, write_clean_evidence, write_incident_evidence
 from aegis_sdc.response.policies import Responder
 from aegis_sdc.response.quarantine import quarantine_entry
 from aegis_sdc.runtime import evidence as step_evidence
@@ -108,7 +108,7 @@ from aegis_sdc.runtime.sensor_cost import SensorClock, SensorCost
 from aegis_sdc.runtime.sites import SiteRegistry
 from aegis_sdc.sensors.attention import AttentionRecord, AttentionSensor
 from aegis_sdc.sensors.fingerprint import FingerprintChecks
-from aegis_sdc.sensors.gemm import CallRecord, GemmSensor, StepClock
+from aegis_sdc.sensors.gemm import CallRecord, CleanSampler, GemmSensor, StepClock
 from aegis_sdc.sensors.sampling import Sampler
 from aegis_sdc.sensors.state_vote import StateVote, VoteCapture, VoteRecord, replica_sets
 from aegis_sdc.sensors.update_replay import UpdateCapture, UpdateReplay
@@ -234,6 +234,9 @@ class Guard:
         self.sensors = self.registry.gemm  # GemmSensor by site id
         self.verifier = Verifier(config.verify, keep_confirmed=True)  # confirmed contexts: evidence files
         self.evidence_budget = EvidenceBudget()  # evidence files written, skipped past the limit, failed
+        # clean checked tiles kept as evidence (sensors/gemm.py CleanSampler), within a budget of their own
+        self.clean_sampler = CleanSampler()
+        self.clean_budget = EvidenceBudget(limit=self.clean_sampler.limit)
         self.incidents: BoundedLog[Incident] = BoundedLog()  # the latest; the store has them all
         self.counts: Counter[str] = Counter()
         self._listeners: list[Listener] = []
@@ -383,6 +386,7 @@ class Guard:
                 injector=self.injector,
                 clock=self.clock,
                 recorder=self.recorder,
+                clean=self.clean_sampler,
             )
             self.registry.add_gemm(sensor)
             sensors.append(sensor)
@@ -986,6 +990,10 @@ class Guard:
             evidence = record.sensor.judge(record, stats)
             if evidence is not None:
                 alarm(evidence, record.capture)
+            elif record.clean is not None:  # a clean sample's tile as evidence (never raises: logged)
+                plan, tile, record.clean = record.plan, record.clean, None  # released once written
+                sample = CleanSample(record.sensor.site, plan.step, plan.call, self.identity, tile)
+                write_clean_evidence(self.run_dir, sample, self.clean_budget)
         for record, value in zip(collected.comm_records, comm_values, strict=True):
             if value > 1.0:
                 alarm(

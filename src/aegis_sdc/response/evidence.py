@@ -15,6 +15,16 @@ the reference vector B·1 the step used, and the tile's values twice, as the wro
 with ``"replayable": false`` and the reason. Writing happens at the step end that confirmed the
 incident, before the response policy acts, and never raises into training (a failure is logged).
 The tensor file is renamed into place before the JSON: a JSON found names a complete tensor file.
+
+Clean samples (sensors/gemm.py, `CleanSampler`) are written in the same format as
+
+    clean-<rank>-<site_id>-<step>.safetensors / .json
+
+with ``"clean": true``, no incident, and right values only: one tile as the training step computed
+it, which a replay on the spot reproduced before it was written (a tile the replay does not
+reproduce is not a reference for anything: logged, not written). The JSON names the kind of device
+and software that computed them (`recorded_env`, as `aegis screen` describes a device), since only
+the same kind reproduces them bit for bit. They have a budget of their own.
 """
 
 from __future__ import annotations
@@ -23,13 +33,24 @@ import dataclasses
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aegis_sdc.events import AttentionKind, CommKind, FingerprintKind, Incident, StateKind, Tile, WrongExecution
+from aegis_sdc.events import (
+    AttentionKind,
+    CommKind,
+    FingerprintKind,
+    Incident,
+    RankIdentity,
+    Site,
+    StateKind,
+    Tile,
+    WrongExecution,
+)
 from aegis_sdc.kernels.reference import RegionReplay
 from aegis_sdc.ops.gemm_replay import GemmCapture
 from aegis_sdc.response.files import write_atomically
@@ -74,6 +95,23 @@ def evidence_paths(run_dir: str | Path, rank: int, incident_id: int) -> tuple[Pa
     return stem.with_suffix(".json"), stem.with_suffix(".safetensors")
 
 
+def clean_paths(run_dir: str | Path, rank: int, site_id: int, step: int) -> tuple[Path, Path]:
+    """(JSON, safetensors) of one clean sample."""
+    stem = Path(run_dir) / EVIDENCE_DIR / f"clean-{rank}-{site_id}-{step}"
+    return stem.with_suffix(".json"), stem.with_suffix(".safetensors")
+
+
+@dataclass
+class CleanSample:
+    """A clean checked call's tile, as the sensor captured it (extent "tile": nothing referenced)."""
+
+    site: Site
+    step: int
+    call: int
+    identity: RankIdentity
+    capture: GemmCapture
+
+
 # -- writing ---------------------------------------------------------------------------------------
 
 
@@ -90,31 +128,101 @@ class EvidenceBudget:
     written: int = 0
     skipped: int = 0
     failed: int = 0
+    unreproduced: int = 0  # clean samples a replay on the spot did not reproduce (not written)
+
+
+def _within(budget: EvidenceBudget, what: str, past_limit: str, write: Callable[[], Path | None]) -> Path | None:
+    """`write()` if the budget allows; its path, or None (past the budget, said once; or a failure,
+    logged: this runs inside the training step and must never end it)."""
+    if budget.written >= budget.limit:
+        budget.skipped += 1
+        if budget.skipped == 1:
+            log.warning("aegis-sdc: %d %s written; %s", budget.written, what, past_limit)
+        return None
+    try:
+        written = write()
+    except Exception:  # a full disk, an unexpected context: logged (the first in full), training goes on
+        budget.failed += 1
+        if budget.failed == 1:
+            log.exception("aegis-sdc: one of the %s could not be written", what)
+        elif budget.failed % 100 == 0:
+            log.error("aegis-sdc: %d %s could not be written", budget.failed, what)
+        return None
+    if written is not None:
+        budget.written += 1
+    return written
 
 
 def write_incident_evidence(run_dir: str | Path, incident: Incident, kept: KeptReplay | None,
                             budget: EvidenceBudget | None = None) -> Path | None:  # fmt: skip
     """Write the incident's evidence pair; the JSON's path, or None when it was not written (past the
     budget, said once; or a failure, logged: this runs inside the training step and must never end it)."""
-    budget = budget if budget is not None else EvidenceBudget()
-    if budget.written >= budget.limit:
-        budget.skipped += 1
-        if budget.skipped == 1:
-            log.warning("aegis-sdc: %d evidence files written; later incidents keep theirs in the store only",
-                        budget.written)  # fmt: skip
-        return None
-    try:
+
+    def write() -> Path:
         meta, tensors = describe(incident, kept)
-        written = _write_pair(run_dir, incident, meta, tensors)
-    except Exception:  # a full disk, an unexpected context: logged (the first in full), training goes on
-        budget.failed += 1
-        if budget.failed == 1:
-            log.exception("aegis-sdc: the evidence file of incident %s could not be written", incident.id)
-        elif budget.failed % 100 == 0:
-            log.error("aegis-sdc: %d evidence files could not be written", budget.failed)
-        return None
-    budget.written += 1
-    return written
+        json_path, tensor_path = evidence_paths(run_dir, incident.identity.rank, incident.id)
+        written = _write_pair(json_path, tensor_path, f"{incident.identity.rank}-{incident.id}", meta, tensors)
+        log.info("aegis-sdc: evidence of incident %s written to %s", incident.id, written)
+        return written
+
+    budget = budget if budget is not None else EvidenceBudget()
+    return _within(budget, "evidence files", "later incidents keep theirs in the store only", write)
+
+
+def write_clean_evidence(run_dir: str | Path, sample: CleanSample, budget: EvidenceBudget | None = None) -> Path | None:
+    """Write a clean sample's evidence pair after a replay on the spot reproduced its tile; the JSON's
+    path, or None (past the budget, not reproduced, or a failure: logged, never raised)."""
+
+    def write() -> Path | None:
+        cap = sample.capture
+        if not cap.diff(cap.saved, cap.replay()).equal:
+            budget.unreproduced += 1
+            log.warning("aegis-sdc: the clean sample of %s at step %d was not reproduced by a replay on the spot: "
+                        "not written", sample.site.name, sample.step)  # fmt: skip
+            return None
+        meta, tensors = describe_clean(sample)
+        json_path, tensor_path = clean_paths(run_dir, sample.identity.rank, sample.site.id, sample.step)
+        written = _write_pair(json_path, tensor_path, json_path.stem, meta, tensors)
+        log.debug("aegis-sdc: clean sample of %s at step %d written to %s", sample.site.name, sample.step, written)
+        return written
+
+    budget = budget if budget is not None else EvidenceBudget()
+    return _within(budget, "clean samples", "no more are taken", write)
+
+
+def recording_env(cap: GemmCapture) -> dict[str, Any]:
+    """The kind of device and software that computed a reference-path capture, as `aegis screen`
+    describes the device it screens (its comparability rule reads the same keys)."""
+    from aegis_sdc.response.screen import device_env  # screen imports this module: imported when used
+
+    return device_env(cap.a_part.device, REFERENCE, cap.a_part.dtype)
+
+
+def describe_clean(sample: CleanSample) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The JSON metadata and tensors of a clean sample: the captured tile, right values only."""
+    cap = sample.capture
+    gemm, tensors, crop = _reference_context(cap, cap.region)
+    tensors.update({f"right.{k}": v for k, v in crop(cap.saved).items()})
+    gemm["values"] = {"wrong": None, "right": "training step (a clean check; reproduced by a replay on the spot)",
+                      "wrong_execution": None}  # fmt: skip
+    meta: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "clean": True,
+        "site": sample.site.name,
+        "site_id": sample.site.id,
+        "step": sample.step,
+        "call": sample.call,
+        "rank": sample.identity.rank,
+        "identity": sample.identity.to_dict(),
+        "incident": None,
+        "recorded_env": recording_env(cap),
+        "torch": torch.__version__,
+        "replayable": True,
+        "reason": None,
+        "gemm": gemm,
+    }
+    return meta, tensors
 
 
 def describe(incident: Incident, kept: KeptReplay | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -202,15 +310,22 @@ def _groups(incident: Incident, saved: Any, replays: tuple, crop) -> tuple[dict[
 def _reference_gemm(incident: Incident, cap: GemmCapture, replays: tuple) -> tuple[dict, dict]:
     """C = A·B of the reference path (kernels/reference.py): A [R, K] rows × B [K, C] columns of one
     tile (or the captured region), B·1 [K] fp64 as the step used it, the tile's values."""
+    tile = _one_tile(incident.verdict.mismatched_tiles, cap.region, cap.tiling.rows, cap.tiling.cols)
+    gemm, tensors, crop = _reference_context(cap, tile)
+    gemm["values"], groups = _groups(incident, cap.saved, replays, crop)
+    tensors.update(groups)
+    return gemm, tensors
+
+
+def _reference_context(cap: GemmCapture, tile: Tile) -> tuple[dict, dict[str, torch.Tensor], Callable]:
+    """The GEMM's description and operands restricted to `tile` (tile-aligned, inside the captured
+    region), and the crop of a region's values to it."""
     tiling, region = cap.tiling, cap.region
-    tile = _one_tile(incident.verdict.mismatched_tiles, region, tiling.rows, tiling.cols)
     lr = slice(tile.row_start - region.row_start, tile.row_stop - region.row_start)
     lc = slice(tile.col_start - region.col_start, tile.col_stop - region.col_start)
     tensors = {"a": cap.a_part[lr], "b": cap.b_part[:, lc], "b_rowsum": cap.saved.b_rowsum}
     if cap.bias is not None:
         tensors["bias"] = cap.bias[lc]
-    values, groups = _groups(incident, cap.saved, replays, lambda r: _crop_region(r, lr, lc, tiling.rows, tiling.cols))
-    tensors.update(groups)
     a = cap.a_part
     gemm = {
         "path": REFERENCE,
@@ -225,9 +340,8 @@ def _reference_gemm(incident: Incident, cap: GemmCapture, replays: tuple) -> tup
         "column_checks": bool(cap.saved.col_partials.numel()),
         "tiling": {"rows": tiling.rows, "cols": tiling.cols},
         "numerics": NUMERICS,
-        "values": values,
     }
-    return gemm, tensors
+    return gemm, tensors, lambda r: _crop_region(r, lr, lc, tiling.rows, tiling.cols)
 
 
 def _triton_fields(r: Any, j: slice | None = None) -> dict[str, torch.Tensor]:
@@ -311,20 +425,17 @@ def _portable(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().clone()
 
 
-def _write_pair(run_dir: str | Path, incident: Incident, meta: dict, tensors: dict[str, torch.Tensor]) -> Path:
+def _write_pair(json_path: Path, tensor_path: Path, name: str, meta: dict, tensors: dict[str, torch.Tensor]) -> Path:
     from safetensors.torch import save
 
-    json_path, tensor_path = evidence_paths(run_dir, incident.identity.rank, incident.id)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     meta["tensors"] = None
     if tensors:
-        name = f"{incident.identity.rank}-{incident.id}"
         data = save({k: _portable(v) for k, v in tensors.items()}, metadata={"format": FORMAT, "incident": name})
         write_atomically(tensor_path, lambda f: f.write(data))
         meta["tensors"] = {"file": tensor_path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     text = (json.dumps(meta, indent=2) + "\n").encode()
     write_atomically(json_path, lambda f: f.write(text))
-    log.info("aegis-sdc: evidence of incident %s written to %s", incident.id, json_path)
     return json_path
 
 

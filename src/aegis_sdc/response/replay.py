@@ -12,6 +12,9 @@ kernel launch as the verifier's). Each run is compared bit for bit with the stor
     other   anything else (a different corruption, or a device whose arithmetic differs: the bits
             are only comparable on the kind of device, and BLAS, that recorded them)
 
+A clean sample (``"clean": true``: a tile of a clean check, response/evidence.py) stores right
+values only: a run is right when it reproduces them bit for bit, and other otherwise.
+
 Exit status: 0 every run right (this device computes the evidence correctly); 3 some run reproduced
 the wrong values and every other run was right (the device is faulty); 4 some run computed
 something else; 2 the evidence could not be read or replayed here.
@@ -56,6 +59,7 @@ class ReplayReport:
     recorded_on: str  # the device the incident was recorded on
     right_by: str  # "bits": compared with stored right values; "bound": the fp64 error bound (none stored)
     runs: list[str] = field(default_factory=list)  # RIGHT / WRONG / OTHER per run
+    clean: bool = False  # a clean sample: right values only
 
     @property
     def exit_code(self) -> int:
@@ -70,7 +74,7 @@ class ReplayReport:
     def to_dict(self) -> dict[str, Any]:
         return {"evidence": str(self.evidence), "site": self.site, "step": self.step, "device": self.device,
                 "recorded_on": self.recorded_on, "right_by": self.right_by, "runs": self.runs,
-                "outcome": self.outcome, "exit_code": self.exit_code}  # fmt: skip
+                "outcome": self.outcome, "exit_code": self.exit_code, "clean": self.clean}  # fmt: skip
 
 
 def replay_evidence(
@@ -95,17 +99,19 @@ def replay_evidence(
     try:
         gemm = meta["gemm"]
         accumulator = _resolve(fault, meta)
+        clean = meta.get("clean") is True
         if gemm["path"] == TRITON:
-            replay = _triton(loaded, gemm, device, accumulator)
+            replay = _triton(loaded, gemm, device, accumulator, clean)
         elif gemm["path"] == REFERENCE:
-            replay = _reference(loaded, gemm, device, accumulator)
+            replay = _reference(loaded, gemm, device, accumulator, clean)
         else:
             raise EvidenceError(f"{loaded.path}: unknown GEMM path {gemm['path']!r}")
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise EvidenceError(f"{loaded.path}: incomplete evidence ({type(error).__name__}: {error})") from None
+    identity = (meta.get("incident") or meta).get("identity") or {}  # a clean sample has no incident
     report = ReplayReport(
-        loaded.path, str(meta.get("site")), int(meta.get("step", -1)), str(device),
-        str(meta.get("incident", {}).get("identity", {}).get("device")), "bits" if replay.right else "bound",
+        loaded.path, str(meta.get("site")), int(meta.get("step", -1)), str(device), str(identity.get("device")),
+        "bits" if replay.right else "bound", clean=meta.get("clean") is True,
     )  # fmt: skip
     with exact_fp32(device.type):
         for _ in range(times):
@@ -115,7 +121,7 @@ def replay_evidence(
 
 def _resolve(fault: FaultSpec | AccumulatorFault | None, meta: dict) -> AccumulatorFault | None:
     if isinstance(fault, FaultSpec):  # drawn as the injector drew it: from (site id, step, call)
-        evidence = meta["incident"]["evidence"]
+        evidence = meta if meta.get("clean") is True else meta["incident"]["evidence"]
         return resolve(fault, int(meta["site_id"]), int(evidence["step"]), int(evidence["call"]), 1.0)
     return fault
 
@@ -127,11 +133,11 @@ class _Replay:
     run: Any
     same: Any  # (x, y) → bit-identical
     within_bound: Any  # result → no value outside the exact fp32 error bound
-    wrong: Any
+    wrong: Any | None  # None: a clean sample (right values only)
     right: Any | None
 
     def judge(self, result: Any) -> str:
-        if self.same(result, self.wrong):
+        if self.wrong is not None and self.same(result, self.wrong):
             return WRONG
         if self.right is not None:
             return RIGHT if self.same(result, self.right) else OTHER
@@ -144,6 +150,14 @@ def _group(tensors: dict[str, torch.Tensor], prefix: str, names: tuple[str, ...]
     return {name: tensors[f"{prefix}.{name}"].to(device) for name in names}
 
 
+def _stored(wrong: Any | None, right: Any | None, clean: bool) -> None:
+    """An incident stores wrong values (and right ones where known); a clean sample right ones only."""
+    if clean and (right is None or wrong is not None):
+        raise ValueError("a clean sample stores right values and no wrong ones")
+    if not clean and wrong is None:
+        raise ValueError("no wrong values stored")
+
+
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -151,7 +165,8 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _reference(loaded: EvidenceFile, gemm: dict, device: torch.device, fault: AccumulatorFault | None) -> _Replay:
+def _reference(loaded: EvidenceFile, gemm: dict, device: torch.device, fault: AccumulatorFault | None,
+               clean: bool = False) -> _Replay:  # fmt: skip
     """The reference path: A [R, K] × B [K, C] of one tile (or region), B·1 [K] as the step used it."""
     t = loaded.tensors
     a, b, b_rowsum = t["a"].to(device), t["b"].to(device), t["b_rowsum"].to(device)
@@ -169,15 +184,15 @@ def _reference(loaded: EvidenceFile, gemm: dict, device: torch.device, fault: Ac
 
     wrong = region(_group(t, "wrong", REFERENCE_FIELDS, device))
     right = region(_group(t, "right", REFERENCE_FIELDS, device))
-    if wrong is None:
-        raise ValueError("no wrong values stored")
+    _stored(wrong, right, clean)
+    stored = wrong if wrong is not None else right
     region_tile = _tile(tile)
 
     def run() -> RegionReplay:
         result = replay_region(a, b, out_dtype=out_dtype, bias=bias, tiling=tiling, b_rowsum=b_rowsum,
                                fault=fault, fault_at=fault_at)  # fmt: skip
-        if not wrong.col_partials.numel():
-            result.col_partials = wrong.col_partials  # the training step took no column checksums
+        if not stored.col_partials.numel():
+            result.col_partials = stored.col_partials  # the training step took no column checksums
         return result
 
     def within_bound(r: RegionReplay) -> bool:
@@ -190,7 +205,8 @@ def _tile(d: dict) -> Tile:
     return Tile(int(d["row_start"]), int(d["row_stop"]), int(d["col_start"]), int(d["col_stop"]))
 
 
-def _triton(loaded: EvidenceFile, gemm: dict, device: torch.device, fault: AccumulatorFault | None) -> _Replay:
+def _triton(loaded: EvidenceFile, gemm: dict, device: torch.device, fault: AccumulatorFault | None,
+            clean: bool = False) -> _Replay:  # fmt: skip
     """The Triton path: the kernel relaunched on the stored slabs with the stored tile configuration."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise EvidenceError(f"{loaded.path}: Triton evidence replays on a CUDA device (or under TRITON_INTERPRET=1)")
@@ -229,9 +245,9 @@ def _triton(loaded: EvidenceFile, gemm: dict, device: torch.device, fault: Accum
 
     wrong = region(_group(t, "wrong", TRITON_FIELDS, device))
     right = region(_group(t, "right", TRITON_FIELDS, device))
-    if wrong is None:
-        raise ValueError("no wrong values stored")
-    cap = TritonGemmCapture.restore(call, extent, t["a_slab"], t.get("b_slab"), wrong, int(gemm["row_block"]),
+    _stored(wrong, right, clean)
+    stored = wrong if wrong is not None else right
+    cap = TritonGemmCapture.restore(call, extent, t["a_slab"], t.get("b_slab"), stored, int(gemm["row_block"]),
                                     int(gemm["col_block"]))  # fmt: skip
 
     def within_bound(r: TritonRegion) -> bool:

@@ -13,7 +13,10 @@ Two kinds of work, both on the device screened and with the code training runs t
    device), and the time. Each case runs `repeats` times: the kernels fix their reduction order, so
    two runs on the same inputs must agree bit for bit.
 2. Evidence replays. Each evidence file given (RUN_DIR/evidence/*.json) is re-executed by
-   response/replay.replay_evidence and counted right, wrong or other.
+   response/replay.replay_evidence and counted right, wrong or other. Clean samples (clean checked
+   tiles the run kept, ``"clean": true``) name the kind of device and software that computed them;
+   on the same kind (`EVIDENCE_KIND_KEYS`, the reference's rule) they are replayed and counted right
+   (reproduced bit for bit) or differs; from another kind they are uncompared, not replayed.
 
 A reference (`write_reference`) holds the cases' fingerprints from a healthy device, with what the
 bits depend on: the device's name, torch, Triton and CUDA versions, the path, dtype and kernel
@@ -22,10 +25,12 @@ configuration. Screening `against` it compares bit for bit, when all of those ar
 Verdict:
     FAIL           a checksum crossed the exact bound or was not finite; two runs of a case
                    differed; a case differs from a comparable reference; an evidence replay
-                   reproduced the wrong values
+                   reproduced the wrong values; a comparable clean sample was not reproduced bit
+                   for bit
     INCONCLUSIVE   nothing failed, but a reference was given that cannot be compared bit for bit
                    (another kind of device or software), or an evidence replay computed something
-                   that is neither the right nor the wrong values
+                   that is neither the right nor the wrong values, or a clean sample came from
+                   another kind of device or software
     PASS           otherwise
 """
 
@@ -50,7 +55,7 @@ from aegis_sdc.faults.models import AccumulatorFault, FaultSpec, resolve
 from aegis_sdc.kernels.fingerprint import ROW, fingerprint_into, fingerprint_reference, lanes_to_int
 from aegis_sdc.kernels.numerics import exact_fp32
 from aegis_sdc.kernels.reference import Tiling, checked_gemm
-from aegis_sdc.response.evidence import EvidenceError
+from aegis_sdc.response.evidence import EvidenceError, load_evidence
 from aegis_sdc.response.replay import EXIT_RIGHT, EXIT_WRONG, replay_evidence
 from aegis_sdc.sensors.gemm import COL_VALUE, NONFINITE, ROW_L2, ROW_VALUE, decode_triton_stats, evidence_stats
 from aegis_sdc.sensors.thresholds import worst_case_bound
@@ -77,6 +82,9 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
 }  # fmt: skip
 # What a case's bits depend on besides its inputs: a reference differing in any is not compared.
 KIND_KEYS = ("device", "path", "dtype", "torch", "triton", "cuda", "kernel", "threads")
+# The same for evidence: it carries its own tile configuration and is replayed with it, so the
+# kernel table of the screened device is not what its bits depend on.
+EVIDENCE_KIND_KEYS = tuple(key for key in KIND_KEYS if key != "kernel")
 
 
 class ScreenError(Exception):
@@ -378,7 +386,8 @@ def evidence_files(paths: Iterable[str | Path]) -> list[Path]:
 
 def replay_all(files: Iterable[Path], device: torch.device, fault: FaultSpec | None) -> list[dict[str, Any]]:
     """Each evidence file (`evidence_files`) replayed `REPLAY_TIMES` times: `outcome` right, wrong,
-    other, or skipped (an incident kind that writes no tensors). ScreenError when a file is unusable."""
+    other, or skipped (an incident kind that writes no tensors); a clean sample's right, differs or
+    uncompared (`_clean_kind`). ScreenError when a file is unusable."""
     entries = []
     for path in files:
         try:
@@ -390,14 +399,40 @@ def replay_all(files: Iterable[Path], device: torch.device, fault: FaultSpec | N
                             "reason": meta.get("reason")})  # fmt: skip
             continue
         site = str(meta.get("site")) if isinstance(meta, dict) else ""
+        clean = isinstance(meta, dict) and meta.get("clean") is True
         spec = fault if fault is not None and fault.matches(site) else None
         try:
+            differs = _clean_kind(path, device) if clean else []
+            if differs:
+                entries.append({"evidence": str(path), "site": site, "step": meta.get("step"), "clean": True,
+                                "outcome": "uncompared", "kind_differs": differs})  # fmt: skip
+                continue
             report = replay_evidence(path, device, REPLAY_TIMES, spec)
         except EvidenceError as error:
             raise ScreenError(str(error)) from None
-        outcome = {EXIT_RIGHT: "right", EXIT_WRONG: "wrong"}.get(report.exit_code, "other")
+        if clean:
+            outcome = "right" if report.exit_code == EXIT_RIGHT else "differs"
+        else:
+            outcome = {EXIT_RIGHT: "right", EXIT_WRONG: "wrong"}.get(report.exit_code, "other")
         entries.append({**report.to_dict(), "outcome": outcome, "faulted": spec is not None})
     return entries
+
+
+def _clean_kind(path: Path, device: torch.device) -> list[str]:
+    """What differs (`EVIDENCE_KIND_KEYS`) between the device and software that computed a clean sample
+    and this device running its path; empty: its bits are comparable here. EvidenceError when the
+    sample is unusable (read in full: a sample from another kind is still checked)."""
+    loaded = load_evidence(path)
+    recorded, gemm = loaded.meta.get("recorded_env"), loaded.meta.get("gemm")
+    if not isinstance(recorded, dict) or not isinstance(gemm, dict) or not isinstance(recorded.get("dtype"), str):
+        raise EvidenceError(f"{loaded.path}: incomplete evidence (a clean sample names no recording device)")
+    mine = device_env(device, str(gemm.get("path")), getattr(torch, recorded["dtype"], torch.float32))
+    return kind_differs(recorded, mine, EVIDENCE_KIND_KEYS)
+
+
+def kind_differs(theirs: dict[str, Any], mine: dict[str, Any], keys: Sequence[str] = KIND_KEYS) -> list[str]:
+    """The keys of what bits depend on where two descriptions of a device (`device_env`) differ."""
+    return [key for key in keys if theirs.get(key) != mine.get(key)]
 
 
 # -- the screen ------------------------------------------------------------------------------------
@@ -417,6 +452,8 @@ class ScreenReport:
         found = [{"case": c.name, "reason": reason} for c in self.cases for reason in c.failures()]
         found += [{"evidence": e["evidence"], "reason": f"replay reproduced the wrong values ({e['site']})"}
                   for e in self.evidence if e["outcome"] == "wrong"]  # fmt: skip
+        found += [{"evidence": e["evidence"], "reason": f"the clean sample of {e['site']} at step {e['step']} "
+                   "was not reproduced bit for bit"} for e in self.evidence if e["outcome"] == "differs"]  # fmt: skip
         return found
 
     @property
@@ -424,7 +461,7 @@ class ScreenReport:
         if self.failing():
             return FAIL
         uncompared = self.reference is not None and not self.reference["compared"]
-        if uncompared or any(e["outcome"] == "other" for e in self.evidence):
+        if uncompared or any(e["outcome"] in ("other", "uncompared") for e in self.evidence):
             return INCONCLUSIVE
         return PASS
 
@@ -433,15 +470,25 @@ class ScreenReport:
         return {PASS: EXIT_PASS, FAIL: EXIT_FAIL, INCONCLUSIVE: EXIT_INCONCLUSIVE}[self.verdict]
 
     def evidence_counts(self) -> dict[str, int]:
+        """Outcomes of the incidents' evidence (clean samples: `clean_counts`)."""
         counts = dict.fromkeys(("right", "wrong", "other", "skipped"), 0)
         for e in self.evidence:
-            counts[e["outcome"]] += 1
+            if not e.get("clean"):
+                counts[e["outcome"]] += 1
+        return counts
+
+    def clean_counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(("right", "differs", "uncompared"), 0)
+        for e in self.evidence:
+            if e.get("clean"):
+                counts[e["outcome"]] += 1
         return counts
 
     def to_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "exit_code": self.exit_code, "env": self.env, "params": self.params,
                 "failing": self.failing(), "notes": self.notes, "reference": self.reference,
-                "evidence_counts": self.evidence_counts(), "seconds": self.seconds,
+                "evidence_counts": self.evidence_counts(), "clean_counts": self.clean_counts(),
+                "seconds": self.seconds,
                 "cases": [dataclasses.asdict(c) for c in self.cases], "evidence": self.evidence}  # fmt: skip
 
 
@@ -493,6 +540,11 @@ def screen(
         report.evidence = replay_all(files, device, fault)
     if against is not None:
         report.reference = compare(report, against)
+    differing = sorted({key for e in report.evidence for key in e.get("kind_differs", ())})
+    if differing:
+        count = sum(e["outcome"] == "uncompared" for e in report.evidence)
+        report.notes.append(f"{count} clean sample(s) recorded on another kind of device or software "
+                            f"({', '.join(differing)} differ): not compared")  # fmt: skip
     if fault is not None and not any(c.faulted for c in results) and not any(e.get("faulted") for e in report.evidence):
         report.notes.append(f"the injected fault {fault.site!r} struck no case and no evidence")
     report.seconds = time.perf_counter() - start
@@ -503,7 +555,7 @@ def compare(report: ScreenReport, reference: dict[str, Any]) -> dict[str, Any]:
     """Bit for bit against `reference` where its kind (`KIND_KEYS`) is this device's; sets each case's
     `reference` and says what differs."""
     theirs = reference["env"]
-    differs = [key for key in KIND_KEYS if theirs.get(key) != report.env.get(key)]
+    differs = kind_differs(theirs, report.env)
     summary = {"recorded_on": theirs.get("device"), "compared": not differs, "kind_differs": differs}
     if differs:
         shown = ", ".join(f"{key} {theirs.get(key)!r} here {report.env.get(key)!r}" for key in differs

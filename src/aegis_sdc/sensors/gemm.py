@@ -14,6 +14,7 @@ the step, where statistics, calibration and vTasks are made.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import struct
@@ -33,6 +34,8 @@ from aegis_sdc.ops.triton_replay import TritonGemmCapture
 from aegis_sdc.sensors.sampling import Sampler
 from aegis_sdc.sensors.thresholds import ThresholdState, worst_case_bound
 
+log = logging.getLogger("aegis_sdc")
+
 # Layout of the per-call evidence vector (float64 so that row/column indices stay exact).
 ROW_VALUE, ROW_INDEX, ROW_L2, COL_VALUE, COL_INDEX, COL_L2, NONFINITE, ROW_THRESHOLD, COL_THRESHOLD = range(9)
 STATS_LEN = 9
@@ -42,6 +45,12 @@ STATS_LEN = 9
 # make "r × m" shrink relative to the noise as training goes on.
 L2_WINDOW = 16
 UNUSUAL_KEPT = 1024  # alarms on unusual data remembered until their verdict (more than any backlog)
+
+# Clean samples: at most one per site in each window of this many steps (none in the first window,
+# where thresholds calibrate), and at most this many per guard — enough to screen a device's
+# arithmetic on the run's own shapes and values, a few MB of files at most.
+CLEAN_SAMPLE_EVERY = 500
+MAX_CLEAN_SAMPLES = 64
 
 
 def evidence_stats(result: GemmChecksums, row_threshold: float, col_threshold: float) -> torch.Tensor:
@@ -66,6 +75,25 @@ def evidence_stats(result: GemmChecksums, row_threshold: float, col_threshold: f
 
 def _exceeds(value: float, threshold: float) -> bool:
     return value > threshold or math.isnan(value)
+
+
+class CleanSampler:
+    """Which clean checked calls keep one tile's replay context (shared by a guard's sensors). Decided
+    from the step and the site id alone, so unsampled calls pay one integer comparison."""
+
+    def __init__(self, every: int | None = None, limit: int | None = None) -> None:
+        self.every = max(1, CLEAN_SAMPLE_EVERY if every is None else every)  # read at construction
+        self.limit = MAX_CLEAN_SAMPLES if limit is None else limit
+        self.taken = 0
+        self._window: dict[int, int] = {}  # site id → the last window it was sampled in
+
+    def due(self, site_id: int, step: int) -> bool:
+        window = step // self.every
+        return self.taken < self.limit and window >= 1 and self._window.get(site_id, 0) < window
+
+    def take(self, site_id: int, step: int) -> None:
+        self._window[site_id] = step // self.every
+        self.taken += 1
 
 
 class StepClock:
@@ -101,6 +129,7 @@ class CallRecord:
     raw: torch.Tensor | None = None  # Triton path: the kernel's int64 evidence slot, decoded at step end
     triton_call: object | None = None
     thresholds: tuple[float, float] = (math.inf, math.inf)
+    clean: GemmCapture | None = None  # a clean sample's tile (CleanSampler), written at the step's end
 
     def finish_triton(self, raw: list[int]) -> list[float]:
         """Decode the kernel's evidence slot and, on an alarm, take the capture out of the pool."""
@@ -162,8 +191,10 @@ class GemmSensor:
         injector: FaultInjector,
         clock: StepClock,
         recorder: list[CallRecord],
+        clean: CleanSampler | None = None,
     ) -> None:
         self.site = site
+        self.clean = clean
         self.col_check = col_check
         self.probability = sampler.probability_for(site.name)  # the step plan draws with it
         self.injector = injector
@@ -235,7 +266,29 @@ class GemmSensor:
         thresholds = self.thresholds(m, k, operands.b.shape[1])
         stats = evidence_stats(result, *thresholds)
         capture = self._capture_if_alarmed(stats, operands, result, plan)
-        self.recorder.append(CallRecord(self, plan, stats, capture, alarm=capture is not None))
+        record = CallRecord(self, plan, stats, capture, alarm=capture is not None)
+        # a call carrying an injected fault computed values no healthy device reproduces: never a sample
+        sampled = self.clean is not None and self.clean.due(self.site.id, plan.step)
+        if sampled and capture is None and plan.injection is None:
+            record.clean = self._clean_capture(operands, result, plan)
+        self.recorder.append(record)
+
+    def _clean_capture(self, operands: GemmOperands, result: GemmChecksums, plan: CallPlan) -> GemmCapture | None:
+        """One tile of a clean call (both slabs copied, nothing referenced); the tile moves with the
+        step so that a site's samples cover different parts of its output."""
+        m, n, tiling = operands.a.shape[0], operands.b.shape[1], operands.tiling
+        if m == 0 or n == 0:
+            return None
+        tiles_n = -(-n // tiling.cols)
+        pick = (self.site.id * 1_000_003 + plan.step) % (-(-m // tiling.rows) * tiles_n)
+        try:
+            capture = GemmCapture(operands, result, extent="tile", row_index=(pick // tiles_n) * tiling.rows,
+                                  col_index=(pick % tiles_n) * tiling.cols)  # fmt: skip
+        except Exception:  # a sample is optional: out of memory here must not end the step
+            log.exception("aegis-sdc: the clean sample of %s at step %d could not be taken", self.site.name, plan.step)
+            return None
+        self.clean.take(self.site.id, plan.step)
+        return capture
 
     def observe_triton(self, plan: CallPlan, call, raw: torch.Tensor | None, thresholds: tuple[float, float]) -> None:
         """A Triton launch planned by this sensor (`thresholds`: those it ran with); its evidence stays
