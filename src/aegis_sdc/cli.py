@@ -91,12 +91,16 @@ def _study_device_option(value: str | None) -> str | None:
     return value if value is None else _cpu_or_cuda(value, "the study runs on cpu or cuda devices")
 
 
+def _choice(value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise typer.BadParameter(f"must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 def _study_mode_option(value: str) -> str:
     from aegis_sdc.study.config import MODES
 
-    if value not in MODES:
-        raise typer.BadParameter(f"must be one of {', '.join(MODES)}, got {value!r}")
-    return value
+    return _choice(value, MODES)
 
 
 @app.command()
@@ -474,9 +478,7 @@ QUARANTINE_FORMATS = ("json", "slurm-exclude", "k8s")
 
 
 def _quarantine_format_option(value: str) -> str:
-    if value not in QUARANTINE_FORMATS:
-        raise typer.BadParameter(f"must be one of {', '.join(QUARANTINE_FORMATS)}, got {value!r}")
-    return value
+    return _choice(value, QUARANTINE_FORMATS)
 
 
 @app.command()

@@ -162,13 +162,20 @@ def load_state(path: str | os.PathLike, *, verify: bool = True) -> dict[str, Any
         raise CheckpointError(f"{path}: not a readable checkpoint ({error})") from error
     certificate = read_certificate(path) if verify else None
     if certificate is not None and certificate.fingerprints:
-        found = fingerprints(state)
-        wrong = sorted(name for name, value in certificate.fingerprints.items() if found.get(name) != value)
-        if wrong or set(found) != set(certificate.fingerprints):
-            raise CheckpointError(
-                f"{path} does not match its certificate: {len(wrong)} tensor(s) differ, e.g. {wrong[:3]}"
-            )
+        _check_fingerprints(path, certificate, state)
     return state
+
+
+def _check_fingerprints(checkpoint: str | os.PathLike, certificate: Certificate, state: Any) -> None:
+    """CheckpointError naming what differs when `state`'s tensors are not those `certificate` names."""
+    found = fingerprints(state)
+    wrong = sorted(name for name, value in certificate.fingerprints.items() if found.get(name) != value)
+    missing = sorted(set(certificate.fingerprints) ^ set(found))
+    if wrong or missing:
+        raise CheckpointError(
+            f"{checkpoint} does not match its certificate: {len(wrong)} tensor(s) differ (e.g. {wrong[:3]}), "
+            f"{len(missing)} name(s) not in both (e.g. {missing[:3]})"
+        )
 
 
 def verify_state(checkpoint: str | os.PathLike, state: Any) -> None:
@@ -180,14 +187,7 @@ def verify_state(checkpoint: str | os.PathLike, state: Any) -> None:
         raise CheckpointError(f"{checkpoint} has no certificate")
     if not certificate.certified:
         raise CheckpointError(f"{checkpoint} is {certificate.status}: {certificate.reason}")
-    found = fingerprints(state)
-    wrong = sorted(name for name, value in certificate.fingerprints.items() if found.get(name) != value)
-    if wrong or set(found) != set(certificate.fingerprints):
-        missing = sorted(set(certificate.fingerprints) ^ set(found))
-        raise CheckpointError(
-            f"{checkpoint}: the loaded state differs from its certificate: {len(wrong)} tensor(s) "
-            f"differ (e.g. {wrong[:3]}), {len(missing)} name(s) not in both (e.g. {missing[:3]})"
-        )
+    _check_fingerprints(checkpoint, certificate, state)
 
 
 def latest_certified(certificates: list[Certificate]) -> Certificate | None:

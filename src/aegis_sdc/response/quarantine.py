@@ -24,11 +24,12 @@ import fcntl
 import json
 import os
 import re
-import secrets
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from aegis_sdc.response.files import write_atomically
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -97,22 +98,9 @@ def append_quarantine(path: str | os.PathLike, entries: Iterable[dict[str, Any]]
         old = _read_text_nofollow(p) or ""
         if old and not old.endswith("\n"):
             old += "\n"
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(old + "\n".join(new) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)  # replaces a link planted at `p` itself, never its target
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(p.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
+        text = (old + "\n".join(new) + "\n").encode()
+        # the rename replaces a link planted at `p` itself, never its target
+        write_atomically(p, lambda f: f.write(text))
     finally:
         os.close(lock_fd)  # releases the lock
 

@@ -22,7 +22,9 @@ something else; 2 the evidence could not be read or replayed here.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,12 +152,22 @@ def _group(tensors: dict[str, torch.Tensor], prefix: str, names: tuple[str, ...]
     return {name: tensors[f"{prefix}.{name}"].to(device) for name in names}
 
 
-def _stored(wrong: Any | None, right: Any | None, clean: bool) -> None:
-    """An incident stores wrong values (and right ones where known); a clean sample right ones only."""
+def _stored(t: dict, fields: Sequence[str], device: torch.device, make: Callable[..., Any],
+            clean: bool) -> tuple[Any | None, Any | None, Any]:  # fmt: skip
+    """The stored wrong and right values (`make(**fields)` each, None where absent) and the one a
+    replay's layout follows: an incident stores wrong values (and right ones where known), a clean
+    sample right ones only."""
+
+    def values(kind: str) -> Any | None:
+        found = _group(t, kind, fields, device)
+        return None if found is None else make(**found)
+
+    wrong, right = values("wrong"), values("right")
     if clean and (right is None or wrong is not None):
         raise ValueError("a clean sample stores right values and no wrong ones")
     if not clean and wrong is None:
         raise ValueError("no wrong values stored")
+    return wrong, right, wrong if wrong is not None else right
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -179,13 +191,8 @@ def _reference(loaded: EvidenceFile, gemm: dict, device: torch.device, fault: Ac
         row, col = fault.element(int(gemm["shape"]["m"]), int(gemm["shape"]["n"]))
         fault_at = (row - tile["row_start"], col - tile["col_start"])  # outside the tile: never applied
 
-    def region(values: dict | None) -> RegionReplay | None:
-        return None if values is None else RegionReplay(b_rowsum=b_rowsum, **values)
-
-    wrong = region(_group(t, "wrong", REFERENCE_FIELDS, device))
-    right = region(_group(t, "right", REFERENCE_FIELDS, device))
-    _stored(wrong, right, clean)
-    stored = wrong if wrong is not None else right
+    wrong, right, stored = _stored(t, REFERENCE_FIELDS, device, functools.partial(RegionReplay, b_rowsum=b_rowsum),
+                                   clean)  # fmt: skip
     region_tile = _tile(tile)
 
     def run() -> RegionReplay:
@@ -240,13 +247,7 @@ def _triton(loaded: EvidenceFile, gemm: dict, device: torch.device, fault: Accum
         c_side=side("c_side", cvec), u_side=side("u_side", u1),
     )  # fmt: skip
 
-    def region(values: dict | None) -> TritonRegion | None:
-        return None if values is None else TritonRegion(b_rowsum=cvec, **values)
-
-    wrong = region(_group(t, "wrong", TRITON_FIELDS, device))
-    right = region(_group(t, "right", TRITON_FIELDS, device))
-    _stored(wrong, right, clean)
-    stored = wrong if wrong is not None else right
+    wrong, right, stored = _stored(t, TRITON_FIELDS, device, functools.partial(TritonRegion, b_rowsum=cvec), clean)
     cap = TritonGemmCapture.restore(call, extent, t["a_slab"], t.get("b_slab"), stored, int(gemm["row_block"]),
                                     int(gemm["col_block"]))  # fmt: skip
 
