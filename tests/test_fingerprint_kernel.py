@@ -52,6 +52,17 @@ def test_batch_launch_equals_one_launch_per_tensor():
     assert again.value == kfp.fingerprint_reference(tensors[1])
 
 
+def test_host_tensors_take_the_reference_path_where_triton_does_not_interpret(monkeypatch):
+    # On a GPU machine AdamW's `step` count is a host tensor among device ones; Triton cannot launch
+    # on it, so the pool must fingerprint it at once (same function, known value, nothing pending).
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pool = FingerprintPool(use_triton=True)
+    step = torch.tensor(7.0)
+    handle = pool.take(step)
+    assert not handle.pending and handle.value == kfp.fingerprint_reference(step)
+    assert pool.device_buffers() == []
+
+
 def xor_sum(t: torch.Tensor) -> int:
     words = kfp.padded_words(t)
     out = 0

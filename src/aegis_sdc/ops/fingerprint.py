@@ -9,6 +9,7 @@ the value is computed at once in PyTorch: there is no device to wait for.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,9 @@ class FingerprintPool:
 
     def __init__(self, slots: int = 4096, use_triton: bool = False) -> None:
         self.slots = slots
-        self.use_triton = use_triton  # also on CPU tensors (the interpreter: tests)
+        # also on CPU tensors, but only where Triton interprets (tests): on a GPU machine a host tensor
+        # among device ones (AdamW's `step` count) takes the reference path, Triton cannot launch on it
+        self.use_triton = use_triton and os.environ.get("TRITON_INTERPRET") == "1"
         self._buffers: dict[torch.device, list[torch.Tensor]] = {}
         self._used: dict[torch.device, int] = {}
         self._pending: list[Fingerprint] = []

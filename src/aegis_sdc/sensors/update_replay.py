@@ -84,9 +84,9 @@ def fingerprints(pool: FingerprintPool, tensors: list[torch.Tensor]) -> list[Fin
     """The replay's fingerprints: on the device through the pool (read with the step's transfer);
     of host tensors a digest of their bytes at once — nothing to wait for, and far cheaper there than
     the reference (or the interpreted kernel) the pool would run."""
-    if tensors and not tensors[0].is_cuda:
-        return [Fingerprint(value=_digest(t)) for t in tensors]
-    return pool.take_many(tensors)
+    on_device = pool.take_many([t for t in tensors if t.is_cuda])[::-1]
+    # a host tensor among device ones: AdamW's `step` count unless capturable or fused
+    return [on_device.pop() if t.is_cuda else Fingerprint(value=_digest(t)) for t in tensors]
 
 
 def fingerprint_now(pool: FingerprintPool, t: torch.Tensor) -> int | None:
