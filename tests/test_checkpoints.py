@@ -142,6 +142,27 @@ def test_a_checkpoint_that_differs_from_its_certificate_is_refused(tmp_path):
         load_state(path)
 
 
+def test_a_certificate_written_with_the_earlier_fingerprint_function_is_checked_with_it(tmp_path):
+    # A certificate from before `fingerprint_function` existed holds function-1 fingerprints: it must
+    # still verify its checkpoint (not be taken for a corrupted one), and still catch a change.
+    from aegis_sdc.response.checkpoints import certificate_path, fingerprints
+
+    _, _, guard = train_with_checkpoints(tmp_path, "run", steps=5)
+    path = Path(guard.certificates[0].path)
+    state = torch.load(path, weights_only=True)
+    doc = json.loads(certificate_path(path).read_text())
+    assert doc.pop("fingerprint_function") == 2
+    doc["fingerprints"] = fingerprints(state, function=1)
+    assert doc["fingerprints"] != fingerprints(state)  # the two functions differ: the test can tell
+    certificate_path(path).write_text(json.dumps(doc))
+    assert read_certificate(path).fingerprint_function == 1
+    load_state(path)
+    state["model"]["layers.0.attn.wq.weight"][0, 0] += 1.0
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="does not match its certificate"):
+        load_state(path)
+
+
 def test_aegis_checkpoints_lists_them_with_their_status(tmp_path):
     train_with_checkpoints(tmp_path, "run", steps=9)
     result = CliRunner().invoke(app, ["checkpoints", str(tmp_path / "run"), "--json"])

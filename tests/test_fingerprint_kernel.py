@@ -63,6 +63,20 @@ def test_host_tensors_take_the_reference_path_where_triton_does_not_interpret(mo
     assert pool.device_buffers() == []
 
 
+@pytest.mark.parametrize("n_bytes", [4 * 2048, 4 * 2049, 4 * 4095, 4 * 65536 + 3, 4 * 65537, 4 * 131072 + 1])
+def test_block_and_chunk_edges_match_the_reference(n_bytes):
+    # The kernels run whole blocks without masks and leave the tensor's last word (and its padding
+    # mask) to a masked tail: word counts at, one past and one short of a block (2048 words here) and
+    # of the batched kernel's work item (65 536 words), with and without a partial last word.
+    g = torch.Generator().manual_seed(n_bytes)
+    t = torch.randint(-128, 128, (n_bytes,), generator=g, dtype=torch.int8).to(DEVICE)
+    assert kernel_value(t) == kfp.fingerprint_reference(t)
+    pool = FingerprintPool(use_triton=True)
+    handles = pool.take_many([t, t[: n_bytes - 4]])
+    pool.resolve([rows.cpu() for rows in pool.device_buffers()])
+    assert [h.value for h in handles] == [kfp.fingerprint_reference(x) for x in (t, t[: n_bytes - 4])]
+
+
 def xor_sum(t: torch.Tensor) -> int:
     words = kfp.padded_words(t)
     out = 0
@@ -115,3 +129,54 @@ def test_two_word_changes_collide_at_the_rate_of_random_lanes():
     for dx, dy in (delta(a, b, b, a), delta(a, a ^ bit, b, b ^ bit)):  # swap; paired flips
         assert int(((dx & 0xFFFF) == 0).sum()) < 16
         assert int(((dx == 0) & (dy == 0)).sum()) == 0
+
+
+def crafted_pair(t: torch.Tensor, a: int, b: int, bit: int) -> torch.Tensor:
+    """`t` (fp32) with word b set so that the position-keyed words v = w ⊕ j·K of a and b differ in
+    `bit` only: the pair on which flipping `bit` in both words swaps their v."""
+    words = t.view(torch.int32)
+    keyed_a = (int(words[a]) & MASK) ^ ((a * kfp.KEY) & MASK)
+    w_b = keyed_a ^ (1 << bit) ^ ((b * kfp.KEY) & MASK)
+    words[b] = w_b - (1 << 32) if w_b >= 1 << 31 else w_b
+    return t
+
+
+def test_the_same_bit_flipped_in_a_crafted_pair_is_seen():
+    # Function 1 (both lanes functions of v_j = w_j ⊕ j·K only) is blind here: the flips swap v_a
+    # and v_b, the multiset of v — and so both sums — stays the same. Function 2 sees it, and so does
+    # the kernel, which runs function 2.
+    g = torch.Generator().manual_seed(21)
+    t = crafted_pair(torch.randn(1024, generator=g), a=10, b=777, bit=22)
+    flipped = t.clone()
+    flipped.view(torch.int32)[[10, 777]] ^= 1 << 22
+    assert kfp.fingerprint_reference(flipped, function=1) == kfp.fingerprint_reference(t, function=1)
+    assert kfp.fingerprint_reference(flipped) != kfp.fingerprint_reference(t)
+    on_device = t.to(DEVICE), flipped.to(DEVICE)
+    assert [kernel_value(x) for x in on_device] == [kfp.fingerprint_reference(x) for x in (t, flipped)]
+
+
+def test_paired_flips_on_crafted_pairs_collide_at_the_rate_of_random_lanes():
+    # 200 000 crafted pairs, a random bit each: function 1 misses every one; function 2's lane x
+    # truncated to 16 bits cancels about 2⁻¹⁶ of the time (expected 3.1, fewer than 16 asserted as
+    # above), and the whole 64 bits never.
+    g = torch.Generator().manual_seed(13)
+    n = 200_000
+    w_a = torch.randint(0, 1 << 32, (n,), generator=g, dtype=torch.int64)
+    j1, j2 = (torch.randint(0, 1 << 24, (n,), generator=g, dtype=torch.int64) for _ in range(2))
+    keep = j1 != j2
+    bit = 1 << torch.randint(0, 32, (n,), generator=g, dtype=torch.int64)
+    w_b = w_a ^ kfp._mul32(j1, kfp.KEY) ^ kfp._mul32(j2, kfp.KEY) ^ bit
+    for function in (1, 2):
+        lanes = [kfp.word_lanes(w, j, function) for w, j in ((w_a ^ bit, j1), (w_a, j1), (w_b ^ bit, j2), (w_b, j2))]
+        dx = (lanes[0][0] - lanes[1][0] + lanes[2][0] - lanes[3][0])[keep] & MASK
+        dy = (lanes[0][1] - lanes[1][1] + lanes[2][1] - lanes[3][1])[keep] & MASK
+        unseen = int(((dx == 0) & (dy == 0)).sum())
+        if function == 1:
+            assert unseen == int(keep.sum())
+        else:
+            assert int(((dx & 0xFFFF) == 0).sum()) < 16 and unseen == 0
+
+
+def test_a_function_that_is_not_known_is_refused():
+    with pytest.raises(ValueError, match="fingerprint function 3"):
+        kfp.fingerprint_reference(torch.ones(4), function=3)

@@ -1,10 +1,12 @@
 """64-bit fingerprints of tensors' bits, position-aware and combinable in any order.
 
 A tensor is read as little-endian 32-bit words w_j (j = 0, 1, …; a last partial word is zero-padded).
-Each word is mixed with its position by a chain of bijections of 32-bit integers,
+Each word is mixed with its position p_j = j·K by bijections of 32-bit integers (for a fixed j), the
+position entering three times:
 
-    x_j = M(w_j ⊕ j·K)          M: multiply by an odd constant, xor-shift, multiply, xor-shift
-    y_j = N(x_j)                N: xor-shift, multiply by another odd constant
+    u_j = s₁₅(M₁ · (w_j ⊕ p_j))      s_r(v) = v ⊕ (v >> r); M₁, M₂, M₃ odd constants
+    x_j = s₁₆(M₂ · (u_j ⊕ p_j))
+    y_j = M₃ · s₁₃(x_j ⊕ p_j)
 
 and the fingerprint is the pair of wrapping sums (Σ x_j mod 2³², Σ y_j mod 2³²) = 64 bits.
 
@@ -14,10 +16,14 @@ and the fingerprint is the pair of wrapping sums (Σ x_j mod 2³², Σ y_j mod 2
 - A change confined to one aligned 32-bit word (any number of flipped bits in it) is always caught:
   for fixed j, x_j and y_j are bijections of w_j, so both lanes change by a non-zero amount.
 - Changes in two or more words (swaps, paired flips, scattered corruption) go unseen only if both
-  lanes' changes cancel: about 2⁻⁶⁴ when the mixed words behave like random values (docs/fingerprints.md
-  has the analysis and the measured collision rates of truncated lanes).
+  lanes' changes cancel: about 2⁻⁶⁴ when the mixed words behave like random values. The later
+  entries of the position are what make that hold for structured corruptions too: were both lanes
+  functions of v_j = w_j ⊕ p_j alone (function 1, kept for certificates written with it), flipping
+  the same bit t in two words whose v differ in bit t only would swap their v — the same multiset,
+  the same sums, unseen in both lanes (about 2⁻³² per pair of words). docs/fingerprints.md has the
+  argument and the measured rates.
 
-Cost: 14 integer operations per 32-bit word, about 3.5 per byte read — below the H200's integer
+Cost: 16 integer operations per 32-bit word, 4 per byte read — below the H200's integer
 throughput per byte of HBM bandwidth, so the kernel runs at the read bandwidth (benchmarks/fingerprint.py).
 
 `fingerprint_reference` is the same function in plain PyTorch (int64 arithmetic, every product kept
@@ -40,6 +46,9 @@ M1 = 0x7FEB352D  # odd multipliers of a well-mixing 32-bit finalizer (bijections
 M2 = 0x846CA68B
 M3 = 0x2C1B3C6D  # the second lane's multiplier: its lane is a different bijection of x
 MASK32 = 0xFFFFFFFF
+# The function's number, recorded with fingerprints that outlive the process (certificates, screen
+# references): 2 enters the position again before the second lane; 1 did not (see the docstring).
+FUNCTION = 2
 _KEY, _M1, _M2, _M3 = (tl.constexpr(c) for c in (KEY, M1, M2, M3))
 
 # Launch shapes by tensor size, chosen from sweeps of benchmarks/fingerprint.py on the H200 (the
@@ -67,29 +76,44 @@ def launch_shape(n_words: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
-def _mix(w, j):
-    """(x, y) for words w at positions j (uint32 tensors); zero where the caller masks."""
-    x = (w ^ (j * _KEY)) * _M1
-    x = (x ^ (x >> 15)) * _M2
+def _mix(w, p):
+    """(x, y) for words w whose keyed positions are p = j·K (uint32 tensors)."""
+    u = (w ^ p) * _M1
+    u = u ^ (u >> 15)
+    x = (u ^ p) * _M2  # the position again, after a non-linear step: x is not a function of w ⊕ p alone
     x = x ^ (x >> 16)
-    y = (x ^ (x >> 13)) * _M3
+    z = x ^ p  # and again before the second lane
+    y = (z ^ (z >> 13)) * _M3
     return x, y
 
 
 @triton.jit
 def _lanes(words_ptr, start, stop, n_words, last_mask, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Both lane sums of words [start, stop) of a tensor of n_words words (int64 offsets; uint32
-    sums). The last word keeps only the tensor's own bytes (`last_mask`): the rest of an aligned
-    4-byte word is read (it never crosses a page) and zeroed, which is the zero padding. STAGES > 1
-    lets the compiler keep loads of later iterations in flight (software pipelining)."""
+    sums). Whole blocks run without masks, their keyed positions one add from a loop-invariant
+    vector; what is left (at most one block, always holding the tensor's last word) is masked, and
+    the last word keeps only the tensor's own bytes (`last_mask`): the rest of an aligned 4-byte word
+    is read (it never crosses a page) and zeroed, which is the zero padding. STAGES > 1 lets the
+    compiler keep loads of later iterations in flight (software pipelining)."""
+    lanes = tl.arange(0, BLOCK)
+    keys = (start + lanes.to(tl.int64)).to(tl.uint32) * _KEY  # j·K of the block's positions (mod 2³²)
+    key_step = (tl.zeros([BLOCK], dtype=tl.uint32) + BLOCK) * _KEY  # and what a block adds to them
     lane_x = tl.zeros([BLOCK], dtype=tl.uint32)
     lane_y = tl.zeros([BLOCK], dtype=tl.uint32)
-    for offset in tl.range(start, stop, BLOCK, num_stages=STAGES):
-        index = offset + tl.arange(0, BLOCK).to(tl.int64)
+    holds_last = (stop == n_words).to(tl.int64)
+    whole_stop = tl.maximum(start + (stop - start - holds_last) // BLOCK * BLOCK, start)
+    for offset in tl.range(start, whole_stop, BLOCK, num_stages=STAGES):
+        w = tl.load(words_ptr + offset + lanes).to(tl.uint32, bitcast=True)
+        x, y = _mix(w, keys)
+        keys += key_step
+        lane_x += x
+        lane_y += y
+    for offset in tl.range(whole_stop, stop, BLOCK):
+        index = offset + lanes.to(tl.int64)
         inside = index < stop
         w = tl.load(words_ptr + index, mask=inside, other=0).to(tl.uint32, bitcast=True)
         w = tl.where(index == n_words - 1, w & last_mask.to(tl.uint32), w)
-        x, y = _mix(w, index.to(tl.uint32))
+        x, y = _mix(w, index.to(tl.uint32) * _KEY)
         lane_x += tl.where(inside, x, 0)
         lane_y += tl.where(inside, y, 0)
     return tl.sum(lane_x, axis=0), tl.sum(lane_y, axis=0)
@@ -200,19 +224,28 @@ def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
     return (low + high) & MASK32
 
 
-def word_lanes(words: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def word_lanes(
+    words: torch.Tensor, positions: torch.Tensor, function: int = FUNCTION
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x_j, y_j as int64 in [0, 2³²) for words and positions given as int64 in [0, 2³²)."""
-    x = _mul32(words ^ _mul32(positions, KEY), M1)
-    x = _mul32(x ^ (x >> 15), M2)
+    if function not in (1, 2):
+        raise ValueError(f"fingerprint function {function} is not known (1 and 2 are)")
+    p = _mul32(positions, KEY)
+    again = p if function == 2 else 0  # function 1 entered the position once
+    u = _mul32(words ^ p, M1)
+    u = u ^ (u >> 15)
+    x = _mul32(u ^ again, M2)
     x = x ^ (x >> 16)
-    y = _mul32(x ^ (x >> 13), M3)
+    z = x ^ again
+    y = _mul32(z ^ (z >> 13), M3)
     return x, y
 
 
-def reference_lanes(t: torch.Tensor) -> tuple[int, int]:
+def reference_lanes(t: torch.Tensor, function: int = FUNCTION) -> tuple[int, int]:
     """Both 32-bit lanes of `t`'s fingerprint, in plain PyTorch (any device, any layout)."""
     values = padded_words(t)
-    x, y = word_lanes(values, torch.arange(values.numel(), device=values.device, dtype=torch.int64) & MASK32)
+    positions = torch.arange(values.numel(), device=values.device, dtype=torch.int64) & MASK32
+    x, y = word_lanes(values, positions, function)
     # Σ of < 2³¹ values below 2³² fits int64 exactly; reduce mod 2³² afterwards.
     return int(x.sum()) & MASK32, int(y.sum()) & MASK32
 
@@ -224,9 +257,10 @@ def reference_counter(t: torch.Tensor) -> tuple[int, int]:
     return x - (x >> 31 << 32), y - (y >> 31 << 32)
 
 
-def fingerprint_reference(t: torch.Tensor) -> int:
-    """The 64-bit fingerprint as an unsigned Python int: lane y in the high half, lane x in the low."""
-    x, y = reference_lanes(t)
+def fingerprint_reference(t: torch.Tensor, function: int = FUNCTION) -> int:
+    """The 64-bit fingerprint as an unsigned Python int: lane y in the high half, lane x in the low.
+    `function` 1 is the earlier function, for fingerprints recorded with it (certificates)."""
+    x, y = reference_lanes(t, function)
     return (y << 32) | x
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from aegis_sdc.kernels.fingerprint import fingerprint_reference
+from aegis_sdc.kernels.fingerprint import FUNCTION, fingerprint_reference
 from aegis_sdc.response.files import write_atomically
 
 CERTIFIED, PENDING, UNCERTIFIED = "certified", "pending", "uncertified"
@@ -61,6 +61,9 @@ class Certificate:
     identity: dict[str, Any] = field(default_factory=dict)  # host, rank, device, GPU UUID
     run_dir: str = ""
     saved_by: str = "aegis"  # "aegis": guard.save_checkpoint's file; "caller": certified with guard.certify
+    # the fingerprint function that made `fingerprints` (kernels/fingerprint.FUNCTION); certificates
+    # written before the field existed hold function 1, and are checked with it
+    fingerprint_function: int = FUNCTION
     created_wall: float = field(default_factory=time.time)
     decided_wall: float | None = None
 
@@ -74,7 +77,7 @@ class Certificate:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Certificate:
         known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{"fingerprint_function": 1, **{k: v for k, v in data.items() if k in known}})
 
     def decided(self, status: str, reason: str, verified_through: int) -> Certificate:
         return replace(self, status=status, reason=reason, verified_through=verified_through,
@@ -98,10 +101,10 @@ def _tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]
             yield from _tensors(item, f"{prefix}.{i}" if prefix else str(i))
 
 
-def fingerprints(state: Any) -> dict[str, str]:
+def fingerprints(state: Any, function: int = FUNCTION) -> dict[str, str]:
     """64-bit fingerprints of every tensor of `state` (kernels/fingerprint.py), by name; a save is
     rare, so the host's reference computation on a CPU copy is good enough."""
-    return {name: f"{fingerprint_reference(t.detach().cpu().contiguous()) & (2**64 - 1):016x}"
+    return {name: f"{fingerprint_reference(t.detach().cpu().contiguous(), function) & (2**64 - 1):016x}"
             for name, t in _tensors(state)}  # fmt: skip
 
 
@@ -168,7 +171,10 @@ def load_state(path: str | os.PathLike, *, verify: bool = True) -> dict[str, Any
 
 def _check_fingerprints(checkpoint: str | os.PathLike, certificate: Certificate, state: Any) -> None:
     """CheckpointError naming what differs when `state`'s tensors are not those `certificate` names."""
-    found = fingerprints(state)
+    try:
+        found = fingerprints(state, int(certificate.fingerprint_function))
+    except ValueError as error:  # a certificate from a newer aegis
+        raise CheckpointError(f"{checkpoint}: its certificate cannot be checked here ({error})") from None
     wrong = sorted(name for name, value in certificate.fingerprints.items() if found.get(name) != value)
     missing = sorted(set(certificate.fingerprints) ^ set(found))
     if wrong or missing:

@@ -61,7 +61,7 @@ from aegis_sdc.sensors.gemm import COL_VALUE, NONFINITE, ROW_L2, ROW_VALUE, deco
 from aegis_sdc.sensors.thresholds import worst_case_bound
 
 FORMAT = "aegis-sdc-screen-reference"
-VERSION = 1
+VERSION = 2  # 2: fingerprints by function 2 (kernels/fingerprint.FUNCTION); record a version-1 reference again
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 EXIT_PASS, EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE = 0, 2, 3, 4
 TRITON, REFERENCE = "gemm-triton", "gemm-reference"
@@ -609,7 +609,10 @@ def load_reference(path: str | Path) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ScreenError(f"{path}: not a screen reference")
     if doc.get("version") != VERSION:
-        raise ScreenError(f"{path}: screen reference version {doc.get('version')!r}, this aegis reads {VERSION}")
+        raise ScreenError(
+            f"{path}: screen reference version {doc.get('version')!r}, this aegis reads {VERSION} "
+            "(record the reference again on a healthy device)"
+        )
     if doc.get("sha256") != _digest(doc):
         raise ScreenError(f"{path}: modified after it was written (its sha256 does not match)")
     try:
