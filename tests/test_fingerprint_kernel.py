@@ -52,6 +52,34 @@ def test_batch_launch_equals_one_launch_per_tensor():
     assert again.value == kfp.fingerprint_reference(tensors[1])
 
 
+def test_a_batch_taken_again_reuses_its_launch_and_rows_stay_consecutive():
+    # The pool keeps a batch's launch tables per layout: the same tensors again (new values) hit the
+    # cache; a batch that does not fit the buffer's remaining rows starts the next buffer; a view with
+    # the same address and size but other strides is another layout, never the cached one.
+    g = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(n, generator=g).to(DEVICE) for n in (300, 5000, 17)]
+    pool = FingerprintPool(slots=5, use_triton=True)
+    first = pool.take_many(tensors)
+    for t in tensors:
+        t.mul_(3.0)  # the same storages, other values
+    second = pool.take_many(tensors)  # rows 3-5 do not fit after rows 0-2: the next buffer's 0-2
+    assert len(pool._launches) == 1
+    assert [h.slot for h in first + second] == [0, 1, 2, 0, 1, 2] and first[0].buffer is not second[0].buffer
+    square = torch.randn(8, 8, generator=g).to(DEVICE)
+    views = [square, square.t()]  # same address and size; the transpose is fingerprinted as its memory
+    third = pool.take_many(views)
+    pool.resolve([rows.cpu() for rows in pool.device_buffers()])
+    assert len(pool._launches) == 2
+    assert [h.value for h in second] == [kfp.fingerprint_reference(t) for t in tensors]
+    assert [h.value for h in third] == [kfp.fingerprint_reference(square)] * 2
+    # a dense [8, 4] at the address of a strided [8, 4] view: same address, size and element size
+    dense, strided = square.reshape(-1)[:32].view(8, 4), square[:, ::2]
+    pool.take_many([dense, tensors[0]])
+    late = pool.take_many([strided, tensors[0]])
+    pool.resolve([rows.cpu() for rows in pool.device_buffers()])
+    assert late[0].value is None and late[1].value == kfp.fingerprint_reference(tensors[0])
+
+
 def test_host_tensors_take_the_reference_path_where_triton_does_not_interpret(monkeypatch):
     # On a GPU machine AdamW's `step` count is a host tensor among device ones; Triton cannot launch
     # on it, so the pool must fingerprint it at once (same function, known value, nothing pending).

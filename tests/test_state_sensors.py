@@ -240,6 +240,23 @@ def _replayed_training(tmp_path, optimizer_of, steps: int, slices: int = 1, befo
     return guard, verdicts
 
 
+def test_copies_in_a_reused_block_are_exact_and_keep_their_addresses():
+    from aegis_sdc.sensors.update_replay import CopyArena
+
+    g = torch.Generator().manual_seed(2)
+    arena = CopyArena()
+    first = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g).to(torch.bfloat16), torch.tensor(4.0)]
+    copies = arena.copy(first)
+    for copy, source in zip(copies, first, strict=True):
+        assert torch.equal(copy, source) and copy.dtype == source.dtype and copy.data_ptr() != source.data_ptr()
+    assert all(c.data_ptr() % CopyArena.ALIGN == 0 for c in copies)
+    again = arena.copy([t * 2 for t in first])  # the same layout: the same memory, the new values
+    assert [c.data_ptr() for c in again] == [c.data_ptr() for c in copies]
+    assert all(torch.equal(c, t * 2) for c, t in zip(again, first, strict=True))
+    bigger = [torch.randn(100, generator=g), *first]  # a larger layout: a new block, still exact
+    assert all(torch.equal(c, t) for c, t in zip(arena.copy(bigger), bigger, strict=True))
+
+
 @pytest.mark.parametrize(
     "optimizer_of",
     [
@@ -292,8 +309,8 @@ def test_a_wrong_replay_is_confirmed_and_the_weights_are_intact(tmp_path, monkey
     execute = update_replay.UpdateInputs.execute
     calls = {"n": 0}
 
-    def once_wrong(self, kind):
-        params, states = execute(self, kind)
+    def once_wrong(self, kind, work=None):
+        params, states = execute(self, kind, work)
         calls["n"] += 1
         if calls["n"] == 3 and TARGET in self.names:  # the replay of step 2 (slices=1: every step's)
             with torch.no_grad():

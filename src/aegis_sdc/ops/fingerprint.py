@@ -35,6 +35,8 @@ class FingerprintPool:
     """Per device, int32 [slots, SPREAD · 2] buffers for this step's fingerprints (a row: a fingerprint's
     sub-counters, folded on the host); grown by whole buffers."""
 
+    CACHED = 64  # launch tables kept (the update replay's slices, repeated batches of saved tensors)
+
     def __init__(self, slots: int = 4096, use_triton: bool = False) -> None:
         self.slots = slots
         # also on CPU tensors, but only where Triton interprets (tests): on a GPU machine a host tensor
@@ -43,16 +45,21 @@ class FingerprintPool:
         self._buffers: dict[torch.device, list[torch.Tensor]] = {}
         self._used: dict[torch.device, int] = {}
         self._pending: list[Fingerprint] = []
+        self._launches: dict[tuple, tuple[kfp.Launch | None, list[bool]]] = {}
 
     def _triton(self, t: torch.Tensor) -> bool:
         return t.is_cuda or self.use_triton
 
-    def _row(self, device: torch.device) -> tuple[torch.Tensor, int]:
+    def _rows(self, device: torch.device, n: int) -> tuple[torch.Tensor, int]:
+        """n consecutive rows of one buffer (a new buffer when the current one has fewer left; the
+        rows skipped stay zero and are never read): (buffer, first row)."""
         buffers = self._buffers.setdefault(device, [])
         used = self._used.get(device, 0)
+        if used % self.slots + n > self.slots:
+            used = -(-used // self.slots) * self.slots
         if used == len(buffers) * self.slots:
             buffers.append(torch.zeros(self.slots, kfp.ROW, dtype=torch.int32, device=device))
-        self._used[device] = used + 1
+        self._used[device] = used + n
         return buffers[used // self.slots], used % self.slots
 
     def take(self, t: torch.Tensor) -> Fingerprint:
@@ -60,24 +67,72 @@ class FingerprintPool:
         return self.take_many([t])[0]
 
     def take_many(self, tensors: list[torch.Tensor]) -> list[Fingerprint]:
-        """Fingerprints of several tensors; those on one device share one launch."""
+        """Fingerprints of several tensors; those on one device share one launch, into consecutive
+        rows. The launch's tables are kept per list of tensor layouts (address, shape, strides): the
+        same tensors fingerprinted again — parameters, optimizer state, copies in a reused block — cost
+        a lookup and one launch, not a reading of each tensor's layout (tens of µs each)."""
+        handles: list[Fingerprint | None] = [None] * len(tensors)
+        on_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            if self._triton(t):
+                on_device.setdefault(t.device, []).append(i)
+            else:
+                handles[i] = Fingerprint(kfp.fingerprint_reference(t) if kfp.dense_bytes(t) is not None else None)
+        for device, indices in on_device.items():
+            group = [tensors[i] for i in indices]
+            for i, handle in zip(indices, self._take_on(device, group), strict=True):
+                handles[i] = handle
+        return handles  # type: ignore[return-value]
+
+    def _take_on(self, device: torch.device, tensors: list[torch.Tensor]) -> list[Fingerprint]:
+        key = (device, tuple((t.data_ptr(), t.shape, t.stride(), t.element_size()) for t in tensors))
+        cached = self._launches.get(key)
+        if cached is None:
+            words = [kfp.as_words(t) for t in tensors]
+            readable = [w for w in words if w is not None]
+            if len(readable) == 1 or len(readable) > self.slots:  # one tensor: the kernel made for one
+                return self._take_uncached(tensors, words)
+            launch = kfp.prepare_many([(w, k) for k, w in enumerate(readable)], device) if readable else None
+            cached = (launch, [w is not None for w in words])
+            # a tensor copied to be read (an odd offset) is in this launch's table only
+            if all(w is None or w.base.data_ptr() == t.data_ptr() for w, t in zip(words, tensors, strict=True)):
+                if len(self._launches) >= self.CACHED:
+                    self._launches.pop(next(iter(self._launches)))
+                self._launches[key] = cached
+        launch, seen = cached
+        if launch is None:
+            return [Fingerprint(None) for _ in tensors]
+        buffer, first = self._rows(device, sum(seen))
+        kfp.launch_prepared(launch, buffer[first:])
+        handles, row = [], first
+        for hit in seen:
+            if hit:
+                handle = Fingerprint(buffer=buffer, slot=row)
+                self._pending.append(handle)
+                row += 1
+            else:
+                handle = Fingerprint(None)
+            handles.append(handle)
+        return handles
+
+    def _take_uncached(self, tensors: list[torch.Tensor], words: list[kfp.Words | None]) -> list[Fingerprint]:
+        """One launch per tensor (a single one: its own kernel shape), or per buffer (a batch larger
+        than a buffer)."""
         handles, batch = [], []
-        for t in tensors:
-            words = kfp.as_words(t) if self._triton(t) else None
-            if words is None:
-                usable = self._triton(t) is False and kfp.dense_bytes(t) is not None
-                handles.append(Fingerprint(kfp.fingerprint_reference(t) if usable else None))
+        for t, w in zip(tensors, words, strict=True):
+            if w is None:
+                handles.append(Fingerprint(None))
                 continue
-            buffer, slot = self._row(t.device)
+            buffer, slot = self._rows(t.device, 1)
             handle = Fingerprint(buffer=buffer, slot=slot)
             handles.append(handle)
-            batch.append((words, buffer, slot))
+            batch.append((w, buffer, slot))
             self._pending.append(handle)
         for buffer in {id(b): b for _, b, _ in batch}.values():
             items = [(w, s) for w, b, s in batch if b is buffer]
             if len(items) == 1:
-                words, slot = items[0]
-                kfp.launch_one(words, buffer[slot])
+                words_one, slot = items[0]
+                kfp.launch_one(words_one, buffer[slot])
             else:
                 kfp.launch_many(items, buffer)
         return handles
@@ -143,7 +198,7 @@ class FingerprintRows:
         if not rows.is_cuda:
             written = set(kfp.fingerprint_into([(t, i) for i, t in enumerate(tensors) if t is not None], rows))
             return [i in written for i in range(len(tensors))]
-        key = tuple((t.data_ptr(), t.numel(), t.element_size()) if t is not None else None for t in tensors)
+        key = tuple((t.data_ptr(), t.shape, t.stride(), t.element_size()) if t is not None else None for t in tensors)
         cached = self._launches.get(key)
         if cached is None:
             words = [kfp.as_words(t) if t is not None else None for t in tensors]
