@@ -564,6 +564,12 @@ class Guard:
         """Like end_step, without advancing the step (inference loops; full buffers)."""
         return self.end_step()
 
+    def drain(self) -> StepReport:
+        """Judge what was recorded and verify every pending vTask now, whatever the verification
+        budget (a fault campaign's trial boundary: each trial's verdicts are its own)."""
+        self._require_open()
+        return self._process(drain=True)
+
     def summary(self) -> GuardSummary:
         t = self.verifier.telemetry
         c = self.counts

@@ -25,6 +25,13 @@ class Injection:
     call: int
     fault: AccumulatorFault
     head: int | None = None  # attention: the (batch · heads + head) corrupted
+    # GEMM faults on the reference path, once the call is checked: the corruption's size in its row's
+    # checksum unit (|δ| / (u·s_i), u = 2⁻²³, s_i the row's scale: the unit of the row statistic) and
+    # the row threshold in force — a fault larger than twice the threshold alarms whatever the
+    # row's clean noise (which a clean call keeps under the threshold). Campaigns check that claim.
+    size: float | None = None
+    threshold: float | None = None
+    element: tuple[int, int] | None = None  # (row, column) of the output corrupted
 
 
 class FaultInjector:
@@ -39,6 +46,11 @@ class FaultInjector:
 
     def __bool__(self) -> bool:
         return bool(self.specs)
+
+    def set_specs(self, specs: tuple[FaultSpec, ...]) -> None:
+        """Replace the faults to inject (a campaign's next trial); the log keeps what fired."""
+        self.specs = tuple(specs)
+        self._matches = {}
 
     def specs_for(self, site_name: str) -> tuple[FaultSpec, ...]:
         found = self._matches.get(site_name)

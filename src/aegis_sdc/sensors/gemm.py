@@ -53,6 +53,23 @@ CLEAN_SAMPLE_EVERY = 500
 MAX_CLEAN_SAMPLES = 64
 
 
+def _measure_fault(injection: Injection, operands: GemmOperands, result: GemmChecksums, threshold: float) -> None:
+    """The injected fault's size in its row's checksum unit (see `Injection.size`): its element
+    recomputed in fp64 against the value the call produced — the fp32 accumulation's own error is
+    within the row's clean noise. A call with a fault only (rare), on the host's own tensors."""
+    m, n = result.out.shape
+    if not m or not n:
+        return
+    i, j = injection.fault.element(m, n)
+    clean = float(operands.a[i].double() @ operands.b[:, j].double())
+    if operands.bias is not None:
+        clean += float(operands.bias[j])
+    delta = float(result.out[i, j]) - clean
+    injection.size = abs(delta) / max(U32 * float(result.row_scale[i]), TINY)
+    injection.threshold = threshold
+    injection.element = (i, j)
+
+
 def evidence_stats(result: GemmChecksums, row_threshold: float, col_threshold: float) -> torch.Tensor:
     """[STATS_LEN] float64 on the device (layout above)."""
     d_row = (result.row_sum - result.row_ref).abs()  # [M]
@@ -264,6 +281,8 @@ class GemmSensor:
         self.dtype, self.triton = operands.a.dtype, False
         m, k = operands.a.shape
         thresholds = self.thresholds(m, k, operands.b.shape[1])
+        if plan.injection is not None:
+            _measure_fault(plan.injection, operands, result, thresholds[0])
         stats = evidence_stats(result, *thresholds)
         capture = self._capture_if_alarmed(stats, operands, result, plan)
         record = CallRecord(self, plan, stats, capture, alarm=capture is not None)

@@ -1,0 +1,17 @@
+"""Fault campaigns: what the sensors catch and what they miss, checked against the coverage they
+claim (docs/campaigns.md)."""
+
+from aegis_sdc.campaign.coverage import Claim, coverage_report
+from aegis_sdc.campaign.runner import CampaignConfig, CampaignResult, TrialResult, run_campaign
+from aegis_sdc.campaign.trials import LOCATIONS, Trial
+
+__all__ = [
+    "LOCATIONS",
+    "CampaignConfig",
+    "CampaignResult",
+    "Claim",
+    "Trial",
+    "TrialResult",
+    "coverage_report",
+    "run_campaign",
+]

@@ -1,0 +1,181 @@
+"""What a campaign injects and where: fault locations, the trials drawn over them, and the faults
+no protected op injects itself (a norm's output, the optimizer's writes, state at rest).
+
+A trial is one fault at the first step of a short run from the campaign's snapshot. Locations:
+
+- `gemm_fwd`, `gemm_dgrad`, `gemm_wgrad`: one fp32 accumulator element of a Linear's GEMM (the
+  fault injector, `FaultSpec`);
+- `attention_fwd`, `attention_bwd`: one value of an attention stage (`qk`, `softmax`, `pv`; then `pv`
+  (dV), `dp`, `ds`, `dq`, `dk`) (the fault injector, `stage`);
+- `saved`: a tensor saved for backward, between forward and backward (the injector, `:saved` site);
+- `recompute`: a checkpointed segment's recomputed output (the injector, `:recompute` site);
+- `elementwise`: one element of a norm's output in forward (a forward hook, the step's first call);
+- `optimizer_update`: one element of a parameter as the optimizer step wrote it (an optimizer
+  post-hook run before the guard's);
+- `optimizer_state`: one element of Adam's `exp_avg`, between steps (the campaign, before the step);
+- `weights`: one element of a parameter, between steps (the campaign, before the step).
+
+Magnitudes: a bit position (`bitflip`: 0 = the lowest mantissa bit of the element's own dtype, the
+sign last) and, for GEMM accumulators, r (`perturb`: r × the site's median clean checksum difference,
+the AEGIS unit).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from aegis_sdc.faults.models import FaultSpec
+
+GEMM_LOCATIONS = {"gemm_fwd": "fwd", "gemm_dgrad": "dgrad", "gemm_wgrad": "wgrad"}
+ATTENTION_STAGES = {"attention_fwd": ("qk", "softmax", "pv"), "attention_bwd": ("pv", "dp", "ds", "dq", "dk")}
+INJECTED = (*GEMM_LOCATIONS, *ATTENTION_STAGES, "saved", "recompute")  # by the fault injector
+HOOKED = ("elementwise", "optimizer_update", "optimizer_state", "weights")  # by the campaign
+LOCATIONS = (*INJECTED, *HOOKED)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One fault. `site`: a site name (injected locations), a module (`elementwise`) or a parameter."""
+
+    index: int
+    location: str
+    site: str
+    model: str  # bitflip | perturb
+    magnitude: float  # the bit (bitflip) or r (perturb)
+    seed: int
+    stage: str | None = None  # attention locations
+
+    @property
+    def cell(self) -> str:
+        unit = f"bit {int(self.magnitude)}" if self.model == "bitflip" else f"r {self.magnitude:g}"
+        stage = f" {self.stage}" if self.stage else ""
+        return f"{self.location}{stage} {unit}"
+
+    def spec(self, step: int) -> FaultSpec | None:
+        """The injector's fault for injected locations (None for the campaign's own)."""
+        if self.location in HOOKED:
+            return None
+        size = {"bit": int(self.magnitude)} if self.model == "bitflip" else {"scale": float(self.magnitude)}
+        stage = {"stage": self.stage} if self.stage else {}
+        return FaultSpec(site=self.site, model=self.model, steps=(step,), seed=self.seed, **size, **stage)
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Where a campaign may inject in one protected model (names found after its warm-up)."""
+
+    gemm: dict[str, tuple[str, ...]]  # location → GEMM site names
+    attention: dict[str, tuple[str, ...]]  # location → attention site names
+    saved: tuple[str, ...]
+    recompute: tuple[str, ...]
+    norms: tuple[str, ...]  # modules whose output `elementwise` corrupts
+    params: tuple[str, ...]
+
+    def sites(self, location: str) -> tuple[str, ...]:
+        if location in GEMM_LOCATIONS:
+            return self.gemm[location]
+        if location in ATTENTION_STAGES:
+            return self.attention[location]
+        return {"saved": self.saved, "recompute": self.recompute, "elementwise": self.norms}.get(location, self.params)
+
+
+def targets_of(model: nn.Module, guard) -> Targets:
+    """The sites and modules of a protected model once a step has run (saved and recompute sites are
+    named when first seen)."""
+    gemm = {loc: tuple(s.site.name for s in guard.registry.gemm if s.site.name.endswith(f":{kind}"))
+            for loc, kind in GEMM_LOCATIONS.items()}  # fmt: skip
+    attention = {loc: tuple(f"{m}:{loc.replace('attention', 'attn')}" for m in guard.attention_sensors)
+                 for loc in ATTENTION_STAGES}  # fmt: skip
+    extra = [s.name for s in guard.registry.extra]
+    norms = tuple(name for name, m in model.named_modules() if type(m).__name__.endswith("RMSNorm"))
+    params = tuple(name for name, p in model.named_parameters() if p.requires_grad)
+    return Targets(gemm, attention, tuple(n for n in extra if n.endswith(":saved")),
+                   tuple(n for n in extra if n.endswith(":recompute")), norms, params)  # fmt: skip
+
+
+def draw_trials(targets: Targets, n: int, seed: int, bits: tuple[int, ...], rs: tuple[float, ...],
+                locations: tuple[str, ...] = LOCATIONS) -> list[Trial]:  # fmt: skip
+    """`n` trials spread evenly over the locations, and within a location over its cells (stage ×
+    magnitude), each at a site drawn at random: round robin, so a short campaign touches every
+    location and, given enough trials, every cell."""
+    rng = random.Random(seed)
+    cells: dict[str, list[tuple[str | None, str, float]]] = {}
+    for location in locations:
+        if not targets.sites(location):
+            continue
+        magnitudes = [("bitflip", float(b)) for b in bits]
+        if location in GEMM_LOCATIONS:
+            magnitudes += [("perturb", float(r)) for r in rs]
+        cells[location] = [(stage, model, m) for stage in ATTENTION_STAGES.get(location, (None,))
+                           for model, m in magnitudes]  # fmt: skip
+    order = list(cells)
+    trials = []
+    for index in range(n):
+        location = order[index % len(order)]
+        stage, model, magnitude = cells[location][(index // len(order)) % len(cells[location])]
+        site = rng.choice(targets.sites(location))
+        trials.append(Trial(index, location, site, model, magnitude, rng.randrange(1 << 31), stage))
+    return trials
+
+
+# -- the campaign's own faults ------------------------------------------------------------------------
+
+
+def flip_element(t: torch.Tensor, bit: int, seed: int) -> int:
+    """Flip bit `bit` (modulo the element's width) of one element of `t` in place, drawn from `seed`;
+    returns the flat index."""
+    flat = t.detach().view(-1)
+    index = random.Random(seed).randrange(flat.numel())
+    width = 8 * t.element_size()
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    b = bit % width
+    flat[index : index + 1].view(ints).bitwise_xor_(-(1 << b) if b == width - 1 else 1 << b)
+    return index
+
+
+def install(trial: Trial, model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """Arm the trial's fault for the next step when the campaign injects it itself; returns the undo
+    (hooks removed). `optimizer_state` and `weights` strike at once: the state at rest before the step."""
+    bit = int(trial.magnitude)
+    if trial.location == "elementwise":
+        fired = {"done": False}
+
+        def corrupt_output(module, args, output):
+            if not fired["done"]:  # the forward's call only: a recomputation in backward is clean
+                fired["done"] = True
+                with torch.no_grad():
+                    flip_element(output, bit, trial.seed)
+            return output
+
+        handle = dict(model.named_modules())[trial.site].register_forward_hook(corrupt_output)
+        return handle.remove
+    param = dict(model.named_parameters())[trial.site]
+    if trial.location == "optimizer_update":
+        fired_update = {"done": False}
+
+        def corrupt_update(opt, args, kwargs):
+            if not fired_update["done"]:  # the trial's first step (the hook is removed by the undo)
+                fired_update["done"] = True
+                with torch.no_grad():
+                    flip_element(param, bit, trial.seed)
+
+        handle = optimizer.register_step_post_hook(corrupt_update)
+        # before the guard's post-hook (hooks run in the order of their dict): the update as written
+        optimizer._optimizer_step_post_hooks.move_to_end(handle.id, last=False)
+        return handle.remove
+    with torch.no_grad():
+        if trial.location == "weights":
+            flip_element(param, bit, trial.seed)
+        elif trial.location == "optimizer_state":
+            state = optimizer.state.get(param, {})
+            target = state.get("exp_avg")
+            if target is not None:
+                flip_element(target, bit, trial.seed)
+        else:
+            raise ValueError(f"unknown campaign location {trial.location!r}")
+    return lambda: None

@@ -1,0 +1,82 @@
+"""Fault campaigns on the CPU workload: every fault inside the claimed coverage that changed training
+is confirmed and localized, the clean twins confirm nothing, and a sensor that misses inside its
+claim fails the campaign."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from aegis_sdc.campaign import LOCATIONS, CampaignConfig, Trial, run_campaign
+from aegis_sdc.campaign.coverage import GEMM_MARGIN, Claim, inside
+from aegis_sdc.faults.injector import Injection
+from aegis_sdc.faults.models import AccumulatorFault
+
+CLAIMED = ("gemm_fwd", "gemm_dgrad", "gemm_wgrad", "saved", "elementwise", "optimizer_update")
+
+
+@pytest.mark.slow
+def test_a_ci_sized_campaign_confirms_every_fault_inside_its_claims():
+    # 132 trials: 12 per location, each location's cells in turn (the full record is
+    # benchmarks/results/campaign_cpu.json, 2 000 trials).
+    result = run_campaign(CampaignConfig(trials=132, twin_every=33))
+    summary = result.summary()
+    assert summary["trials"] == 132 and {t.trial.location for t in result.trials} == set(LOCATIONS)
+    assert summary["missed_inside_coverage"] == 0, [m.to_dict() for m in result.misses_inside()]
+    assert summary["false_confirmed"] == 0 and summary["twin_false_alarms"] == 0 and summary["twins_identical"]
+    assert summary["clean_twins"] == 5  # before the first trial, every 33, after the last
+    assert summary["localized"] >= 0.99
+    by_location = {loc: [t for t in result.trials if t.trial.location == loc] for loc in LOCATIONS}
+    for location in CLAIMED:  # each claim is exercised: faults inside it, all confirmed
+        assert any(t.inside for t in by_location[location]), location
+    for location in ("optimizer_state", "weights"):  # one process: no replica votes, nothing claimed
+        assert not result.claims[location].claimed and not any(t.inside for t in by_location[location])
+    assert all(t.confirmed for t in by_location["optimizer_update"])  # any flipped bit of an update
+    assert summary["gemm_trials_sized"] == sum(len(by_location[loc]) for loc in CLAIMED[:3])
+
+
+def test_a_sensor_that_misses_inside_its_claim_fails_the_campaign(monkeypatch):
+    # The update replay made blind (its records never mismatch): every optimizer-update fault that
+    # changed training is now a miss inside the claimed coverage.
+    from aegis_sdc.sensors import update_replay
+
+    monkeypatch.setattr(update_replay.UpdateRecord, "mismatched", lambda self: [])
+    result = run_campaign(CampaignConfig(trials=4, locations=("optimizer_update",), twin_every=10))
+    assert result.summary()["missed_inside_coverage"] == 4
+    assert all(t.inside and not t.confirmed for t in result.trials)
+
+
+def _gemm_trial() -> Trial:
+    return Trial(0, "gemm_fwd", "layers.0.attn.wq:fwd", "bitflip", 20.0, 1)
+
+
+def _injection(size: float | None, threshold: float = 10.0) -> Injection:
+    fault = AccumulatorFault("bitflip", 20, 0.0, None, None, 0.0, 0.0)
+    return Injection("layers.0.attn.wq:fwd", 3, 0, fault, size=size, threshold=threshold)
+
+
+def test_a_gemm_fault_is_claimed_above_twice_its_threshold_only_when_it_changed_training():
+    claims = {"gemm_fwd": Claim("gemm_fwd", "GEMM row checksum + replay", 1.0, "", True)}
+    trial = _gemm_trial()
+    assert inside(trial, claims, [_injection(GEMM_MARGIN * 10.0 + 0.1)], affected=True, recompute_sites=())
+    assert not inside(trial, claims, [_injection(GEMM_MARGIN * 10.0 - 0.1)], affected=True, recompute_sites=())
+    assert not inside(trial, claims, [_injection(100.0)], affected=False, recompute_sites=())
+    assert not inside(trial, claims, [_injection(None)], affected=True, recompute_sites=())  # not measured
+    unchecked = {"gemm_fwd": Claim("gemm_fwd", "", 0.0, "", False)}
+    assert not inside(trial, unchecked, [_injection(100.0)], affected=True, recompute_sites=())
+
+
+def test_aegis_campaign_writes_its_record_and_exits_0(tmp_path):
+    from aegis_sdc.cli import app
+
+    out = tmp_path / "campaign.json"
+    result = CliRunner().invoke(app, ["campaign", "--trials", "11", "--out", str(out), "--plots", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"env", "rows", "summary", "claims", "cells"} and len(doc["rows"]) == 11
+    for key in ("trials", "confirmed_inside_coverage", "missed_inside_coverage", "localized", "false_confirmed"):
+        assert key in doc["summary"]
+    assert (tmp_path / "campaign_coverage.png").stat().st_size > 0
+    assert (tmp_path / "campaign_gemm_sensitivity.png").stat().st_size > 0
