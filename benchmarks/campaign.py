@@ -1,7 +1,8 @@
 """A fault campaign's record: `aegis campaign` on the project's Llama workload, written with the
 benchmark's environment.
 
-    python benchmarks/campaign.py [--trials 2000] [--device cpu|cuda] [--out FILE] [--plots DIR]
+    python benchmarks/campaign.py [--trials 2000] [--device cpu|cuda] [--dtype float32|bfloat16] [--out FILE]
+                                  [--plots DIR]
     python benchmarks/campaign.py --replot FILE --plots DIR     (the plots of a stored record)
 
 CPU: `benchmarks/results/campaign_cpu.json` and the plots under `docs/campaign/`. `summary`:
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2000)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="the model's (default: float32 on the CPU, bfloat16 on CUDA)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plots", type=Path, default=None)
     parser.add_argument("--replot", type=Path, default=None, help="draw the plots of this record and stop")
@@ -46,7 +49,8 @@ def main() -> None:
         if done % 100 == 0 or done == total:
             print(f"{done}/{total} trials, {time.perf_counter() - started:.0f} s", flush=True)
 
-    result = run_campaign(CampaignConfig(trials=args.trials, device=args.device, seed=args.seed), progress)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    result = run_campaign(CampaignConfig(trials=args.trials, device=args.device, seed=args.seed, dtype=dtype), progress)
     env = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "threads": torch.get_num_threads(),

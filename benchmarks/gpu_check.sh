@@ -25,6 +25,7 @@
 #                 (results/gluon_pingpong_probe.json)
 #   state-sensors the state sensors' GPU tests, then their cost in the 1.1B step (results/state_sensors.json)
 #   tile-check    the tile-local row check probe (results/gemm_tile_check.json)
+#   campaign      the fault campaign on the H200 in bf16 (600 trials; results/campaign_gpu.json, plots in $out)
 #   screen        `aegis screen`'s GPU tests, then the healthy and faulty screens of the H200
 #                 (results/screen.json)
 #   cutlass-probe CUTLASS's CuTe DSL Hopper GEMM beside ours (results/cutlass_probe.json). Needs, carried in
@@ -125,6 +126,10 @@ case "${1:-tests-1}" in
     timeout 420 python benchmarks/state_sensors.py --out benchmarks/results/state_sensors.json 2>&1 | grep -v Warn \
       | tee "$out/state_sensors.log" | tail -12
     cp benchmarks/results/state_sensors.json "$out/" 2>/dev/null ;;
+  campaign)
+    timeout 560 python benchmarks/campaign.py --device cuda --trials 600 --plots "$out/campaign" 2>&1 \
+      | grep -v Warn | tee "$out/campaign.log" | tail -8
+    cp benchmarks/results/campaign_gpu.json "$out/" 2>/dev/null ;;
   screen)
     timeout 240 python -m pytest -q -m gpu tests/test_screen.py -p no:cacheprovider 2>&1 \
       | tee "$out/screen_tests.log" | tail -5

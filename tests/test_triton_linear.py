@@ -224,3 +224,25 @@ def test_a_step_takes_the_weight_sums_in_one_pass_per_weight_shape(tmp_path, mon
         assert torch.equal(fwd_side.matrix, s_col) and torch.equal(dgrad_side.matrix, s_row)
     optimizer.step()
     guard.close()
+
+
+@pytest.mark.parametrize("bit", [30, 0])
+def test_an_injected_faults_size_is_measured_on_the_triton_path(tmp_path, bit):
+    # Campaigns judge a GEMM fault against its claim by its size in the row's checksum unit: the
+    # Triton path leaves it on the device (nothing waits); a flip of the exponent's top bit is far
+    # over twice the threshold and is confirmed, a flip of the lowest mantissa bit far under it.
+    spec = aegis.FaultSpec(site="layers.0.mlp.up_proj:fwd", model="bitflip", bit=bit, steps=(6,), row=3, col=5)
+    model, data, optimizer = tiny_workload()
+    guard = aegis.protect(model, optimizer=optimizer, config=config(tmp_path, faults=(spec,)))
+    try:
+        train(model, data, optimizer, 7)
+    finally:
+        guard.close()
+    (injection,) = list(guard.injector.log)
+    assert isinstance(injection.size, torch.Tensor) and injection.element == (3, 5)
+    size = float(injection.size) / injection.threshold
+    confirmed = [i.site.name for i in guard.incidents]
+    if bit == 30:
+        assert size > 2.0 and confirmed == ["layers.0.mlp.up_proj:fwd"]
+    else:
+        assert size < 1.0 and confirmed == []

@@ -160,7 +160,8 @@ def campaign(
     from aegis_sdc.campaign import report as campaign_report
 
     resolved = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    cfg = CampaignConfig(trials=trials, seed=seed, device=resolved)
+    dtype = "bfloat16" if resolved == "cuda" else "float32"  # on a GPU: the Triton kernels, as training runs them
+    cfg = CampaignConfig(trials=trials, seed=seed, device=resolved, dtype=dtype)
     with Progress(console=Console(stderr=True)) as bar:
         task = bar.add_task("trials", total=trials)
         result = run_campaign(cfg, progress=lambda done, total: bar.update(task, completed=done))

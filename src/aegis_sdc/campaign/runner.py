@@ -48,6 +48,7 @@ class CampaignConfig:
     trials: int = 2000
     seed: int = 0
     device: str = "cpu"
+    dtype: str = "float32"  # the model's: "bfloat16" on a GPU runs the Triton kernels as training does
     warmup_steps: int = 20  # calibration (16 checks per site) and two more
     steps_per_trial: int = 2  # the fault strikes the first; the second brings what is read a step late
     twin_every: int = 25  # a clean twin every this many trials (and before the first)
@@ -63,6 +64,8 @@ class CampaignConfig:
     def __post_init__(self) -> None:
         if self.trials < 1 or self.warmup_steps < 18 or self.steps_per_trial < 2 or self.twin_every < 1:
             raise ValueError("CampaignConfig: trials ≥ 1, warmup_steps ≥ 18, steps_per_trial ≥ 2, twin_every ≥ 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"CampaignConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         unknown = set(self.locations) - set(LOCATIONS)
         if unknown:
             raise ValueError(f"CampaignConfig.locations: unknown {sorted(unknown)}; known: {', '.join(LOCATIONS)}")
@@ -155,7 +158,7 @@ class _Workload:
         torch.manual_seed(cfg.seed)
         model_cfg = LlamaConfig(vocab_size=256, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=4, n_kv_heads=2,
                                 hidden_dim=2 * cfg.dim, max_seq_len=cfg.seq, activation_checkpointing=True)  # fmt: skip
-        self.model = Llama(model_cfg).to(self.device)
+        self.model = Llama(model_cfg).to(self.device, getattr(torch, cfg.dtype))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
         self.data = SyntheticTokens(TokenStreamConfig(vocab_size=256, seq_len=cfg.seq, batch_size=cfg.batch,
                                                       seed=cfg.seed))  # fmt: skip
@@ -185,7 +188,7 @@ def run_campaign(cfg: CampaignConfig, progress: Callable[[int, int], None] | Non
 
     logger = logging.getLogger("aegis_sdc")
     level = logger.level
-    logger.setLevel(logging.ERROR)
+    logger.setLevel(logging.CRITICAL)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SilentDataCorruptionWarning)
@@ -268,6 +271,9 @@ def _run_trial(trial: Trial, work: _Workload, guard, targets: Targets, claims: d
         guard.injector.set_specs(())
     found = guard.incidents.since(incidents)
     fired = guard.injector.log.since(injections)
+    for injection in fired:  # the Triton path leaves the size on the device: read after the trial
+        if isinstance(injection.size, torch.Tensor):
+            injection.size = float(injection.size)
     affected = not _bits_equal([p.detach() for p in work.model.parameters()], reference)
     injected = bool(fired) or trial.location in HOOKED
     expected = _expected_sites(trial, targets)

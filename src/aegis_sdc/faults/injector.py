@@ -29,7 +29,7 @@ class Injection:
     # checksum unit (|δ| / (u·s_i), u = 2⁻²³, s_i the row's scale: the unit of the row statistic) and
     # the row threshold in force — a fault larger than twice the threshold alarms whatever the
     # row's clean noise (which a clean call keeps under the threshold). Campaigns check that claim.
-    size: float | None = None
+    size: float | torch.Tensor | None = None  # a 0-d device tensor from the Triton path (nothing waits for it)
     threshold: float | None = None
     element: tuple[int, int] | None = None  # (row, column) of the output corrupted
 

@@ -23,6 +23,7 @@ import torch
 
 from aegis_sdc.kernels import triton_gemm as tg
 from aegis_sdc.kernels.gemm_side import SIDE_COLUMNS, SideMatrix
+from aegis_sdc.kernels.reference import TINY, U32
 from aegis_sdc.kernels.weight_sums import GroupSums, WeightSideBuffers, weight_side_matrices, weight_sides
 from aegis_sdc.ops.triton_replay import TritonGemmCall
 
@@ -416,6 +417,8 @@ def run(
         cfg=cfg,
         scratch=True,
     )
+    if plan is not None and plan.injection is not None and check:
+        _measure_fault(plan.injection, a, b, out, a_t, b_t, bias, thresholds[0])
     if plan is not None:
         call = TritonGemmCall(
             a_t=a_t,
@@ -439,3 +442,22 @@ def run(
         )
         sensor.observe_triton(plan, call, stats, thresholds)  # a checked call's: computed above
     return result
+
+
+def _measure_fault(injection, a, b, out, a_t: bool, b_t: bool, bias, threshold: float) -> None:
+    """An injected fault's size in its row's checksum unit, as the kernel normalizes the row (u·‖C_i‖,
+    kernels/gemm_evidence.py), left on the device as a 0-d tensor: nothing waits (a campaign reads it
+    after the step). The fault model is applied to the element's fp32 value recomputed in fp64 —
+    the rounded output cannot show a change below its own rounding — and ‖C_i‖ is taken from the
+    output row (within bf16's rounding of the accumulator's). Calls carrying an injected fault only."""
+    fault = injection.fault
+    i, j = fault.row, fault.col
+    a_row = (a[:, i] if a_t else a[i]).double()
+    b_col = (b[j] if b_t else b[:, j]).double()
+    clean = (a_row @ b_col).float()
+    delta = fault.corrupt(clean).double() - clean.double()
+    row = out[i].double() - (bias.double() if bias is not None else 0.0)  # the kernel's norm is before the bias
+    size = delta.abs() / (U32 * row.norm()).clamp_min(TINY)
+    injection.size = torch.where(size.isnan(), float("inf"), size)  # a NaN accumulator: the largest fault
+    injection.threshold = threshold
+    injection.element = (i, j)
