@@ -235,3 +235,35 @@ def test_cli_study_writes_the_run_and_prints_the_summary(tmp_path):
     assert bad.exit_code == 2 and "bad value for bit" in bad.output
     again = CliRunner().invoke(app, [*args, "--no-fault", "--run-dir", str(tmp_path / "r")])
     assert again.exit_code == 2 and "already holds a store" in " ".join(again.output.split())
+
+
+def test_a_hugging_face_model_is_studied_through_its_containers(tmp_path):
+    # An HF `LlamaForCausalLM` behind the study's model interface: its blocks sit two containers down
+    # (`model.model.layers`), its output is not a tensor. The units are found through the containers,
+    # a fault fires at its site, and compute-sync names the block it struck.
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    from aegis_sdc.study.taps import study_units
+
+    class CausalLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            config = HFLlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=SMALL.vocab_size, max_position_embeddings=32,
+                                   attn_implementation="eager")  # fmt: skip
+            self.model = LlamaForCausalLM(config)
+
+        def forward(self, tokens):
+            return self.model(input_ids=tokens).logits
+
+    units = study_units(CausalLM())
+    expected = {"model.model.embed_tokens", "model.model.layers.1", "model.model.layers.1.mlp", "model.lm_head"}
+    assert expected <= set(units)
+    fault = FaultSpec.parse("model.model.layers.1.mlp.up_proj:fwd@model=bitflip,bit=30,steps=3")
+    cfg = StudyConfig(mode="compute-sync", steps=6, model=SMALL, batch_size=2, seq_len=32, run_dir=str(tmp_path / "s"),
+                      faults=(fault,))  # fmt: skip
+    result = run_study(cfg, model_factory=CausalLM, plots=False)
+    summary = result.summary
+    assert summary["faults_fired"] == 1 and summary["first_affected_step"] == 3
+    assert {m["unit"] for m in summary["mismatches"]} >= {"model.model.layers.1.mlp"}

@@ -129,9 +129,14 @@ def copy_state(src: Replica, dst: Replica) -> None:
 
 
 def layer_of(name: str) -> str:
-    """`layers.3.mlp.up_proj.weight` → `layers.3`; `lm_head.weight` → `lm_head`."""
+    """`layers.3.mlp.up_proj.weight` → `layers.3`; `lm_head.weight` → `lm_head`; below a container
+    (Hugging Face's `model.model.layers.3.…`, `model.lm_head.weight`) the same: the first indexed
+    block, else the name's last module."""
     parts = name.split(".")
-    return ".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else parts[0]
+    for i in range(len(parts) - 2):
+        if parts[i + 1].isdigit():
+            return ".".join(parts[i : i + 2])
+    return parts[-2] if len(parts) > 1 else parts[0]
 
 
 def relative_deviation(pairs: Iterable[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> dict[str, float]:

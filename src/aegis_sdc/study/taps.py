@@ -2,7 +2,8 @@
 
 A *unit* is a submodule whose outputs the study compares: every block of a `ModuleList` (a
 transformer layer), each direct child of such a block (attention, MLP, the norms) and every other
-direct child of the model (embedding, final norm, LM head). The Linears inside attention and MLP are
+direct child of the model (embedding, final norm, LM head) — looking through containers that hold
+the blocks (Hugging Face's `model.model`). The Linears inside attention and MLP are
 not units: a unit's output is what the next submodule consumes.
 
 Per unit three *phases* are compared:
@@ -43,7 +44,9 @@ def study_units(model: nn.Module) -> list[str]:
                 for index, block in child.named_children():
                     units.append(f"{path}.{index}")
                     units.extend(f"{path}.{index}.{sub}" for sub, _ in block.named_children())
-            elif isinstance(child, nn.ModuleDict):
+            elif isinstance(child, nn.ModuleDict) or any(isinstance(m, nn.ModuleList) for m in child.modules()):
+                # a container of blocks (a ModuleDict; Hugging Face's `model` inside its `*ForCausalLM`,
+                # whose output is not a tensor): its children are the units
                 visit(path + ".", child)
             else:
                 units.append(path)
