@@ -64,8 +64,7 @@ def _heat_map(doc: dict[str, Any], path: Path) -> Path:
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     fig.colorbar(image, ax=ax, label="confirmed ÷ trials that changed training")
     ax.set_title(f"Fault campaign: {len(doc['rows'])} trials (* claimed; blank: nothing changed)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=130, bbox_inches="tight")  # tight_layout cannot fit a short campaign's few cells
     plt.close(fig)
     return path
 

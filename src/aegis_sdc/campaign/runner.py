@@ -171,7 +171,7 @@ class _Workload:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
-        return float(loss)
+        return float(loss.detach())
 
 
 def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
