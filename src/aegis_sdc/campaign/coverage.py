@@ -99,7 +99,7 @@ def segment_of(module: str, recompute_sites: tuple[str, ...]) -> str | None:
 
 
 def inside(trial: Trial, claims: dict[str, Claim], injections: list[Injection], affected: bool,
-           recompute_sites: tuple[str, ...], replayed: bool = True) -> bool:  # fmt: skip
+           recompute_sites: tuple[str, ...]) -> bool:  # fmt: skip
     """Whether the trial's fault lies inside the claimed coverage (a miss there fails the campaign).
     Only faults that changed training count: one that changed nothing has nothing to be caught."""
     claim = claims[trial.location]
@@ -110,8 +110,6 @@ def inside(trial: Trial, claims: dict[str, Claim], injections: list[Injection], 
         return bool(sized) and all(i.size > GEMM_MARGIN * i.threshold for i in sized)
     if trial.location == "elementwise":
         return segment_of(trial.site, recompute_sites) is not None
-    if trial.location == "optimizer_update":
-        return replayed
     if trial.location in ("saved", "recompute"):
         return bool(injections)  # the fault fired (a saved tensor's step, a recomputed segment)
-    return True
+    return True  # the optimizer's update: a campaign replays every parameter's update at every step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from aegis_sdc.campaign.trials import GEMM_LOCATIONS, LOCATIONS
 def record(result: CampaignResult, env: dict[str, Any]) -> dict[str, Any]:
     """{env, rows (one per trial), summary, claims, cells}: what `write` stores."""
     return {
-        "env": {**env, "campaign": {k: v for k, v in vars(result.config).items()}},
+        "env": {**env, "campaign": asdict(result.config)},
         "rows": [t.to_dict() for t in result.trials],
         "summary": result.summary(),
         "claims": {name: claim.to_dict() for name, claim in result.claims.items()},

@@ -19,7 +19,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -39,6 +39,7 @@ from aegis_sdc.campaign.trials import (
     targets_of,
 )
 from aegis_sdc.events import VerdictKind
+from aegis_sdc.validation import check_choice, check_int, check_text, set_field
 
 
 @dataclass(frozen=True)
@@ -62,13 +63,14 @@ class CampaignConfig:
     run_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.trials < 1 or self.warmup_steps < 18 or self.steps_per_trial < 2 or self.twin_every < 1:
-            raise ValueError("CampaignConfig: trials ≥ 1, warmup_steps ≥ 18, steps_per_trial ≥ 2, twin_every ≥ 1")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"CampaignConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        unknown = set(self.locations) - set(LOCATIONS)
-        if unknown:
-            raise ValueError(f"CampaignConfig.locations: unknown {sorted(unknown)}; known: {', '.join(LOCATIONS)}")
+        for name, least in (("trials", 1), ("warmup_steps", 18), ("steps_per_trial", 2), ("twin_every", 1),
+                            ("n_layers", 1), ("dim", 8), ("batch", 1), ("seq", 2)):  # fmt: skip
+            set_field(self, name, check_int, ge=least)
+        set_field(self, "seed", check_int)
+        set_field(self, "device", check_text)
+        set_field(self, "dtype", check_choice, choices=("float32", "bfloat16", "float16"))
+        for location in self.locations:
+            check_choice("CampaignConfig", "locations", location, choices=LOCATIONS)
 
 
 @dataclass
@@ -260,7 +262,7 @@ def _run_trial(trial: Trial, work: _Workload, guard, targets: Targets, claims: d
     step = guard.step_number
     spec = trial.spec(step)
     guard.injector.set_specs((spec,) if spec is not None else ())
-    incidents, injections, alarms = guard.incidents.total, guard.injector.log.total, guard.summary().alarms
+    incidents, injections, alarms = guard.incidents.total, guard.injector.log.total, guard.counts["alarms"]
     undo = install(trial, work.model, work.optimizer) if trial.location in HOOKED else (lambda: None)
     try:
         for batch in batches:
@@ -287,7 +289,7 @@ def _run_trial(trial: Trial, work: _Workload, guard, targets: Targets, claims: d
     if sized:
         size = max(i.size / i.threshold for i in sized)
     return TrialResult(
-        trial=trial, injected=injected, alarmed=guard.summary().alarms > alarms, confirmed=bool(found),
+        trial=trial, injected=injected, alarmed=guard.counts["alarms"] > alarms, confirmed=bool(found),
         localized=bool(hits), localized_segment=bool(hits or in_segment),
         latency_steps=min((i.step - step for i in found), default=None), affected=affected,
         inside=inside(trial, claims, fired, affected, targets.recompute), size=size,
@@ -314,22 +316,3 @@ def _holds(incident, fired) -> bool:
     elements = [i.element for i in fired if i.element is not None]
     tiles = incident.verdict.mismatched_tiles
     return any(t.row_start <= r < t.row_stop and t.col_start <= c < t.col_stop for t in tiles for r, c in elements)
-
-
-def cell_table(result: CampaignResult) -> list[tuple[str, int, int, int, int, int]]:
-    """(cell, trials, affected, confirmed, localized, missed inside) sorted by location order."""
-    order = {loc: i for i, loc in enumerate(LOCATIONS)}
-    rows = sorted(result.cells().items(), key=lambda kv: (order[kv[1]["location"]], kv[0]))
-    return [(cell, c["trials"], c["affected"], c["confirmed"], c["localized"], c["missed_inside"]) for cell, c in rows]
-
-
-def summarize_by_location(result: CampaignResult) -> dict[str, Counter]:
-    out: dict[str, Counter] = defaultdict(Counter)
-    for t in result.trials:
-        c = out[t.trial.location]
-        c["trials"] += 1
-        c["affected"] += t.affected
-        c["confirmed"] += t.confirmed
-        c["inside"] += t.inside
-        c["missed_inside"] += t.inside and not t.confirmed
-    return dict(out)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from aegis_sdc.faults.injector import flip_bit
 from aegis_sdc.faults.models import FaultSpec
 
 GEMM_LOCATIONS = {"gemm_fwd": "fwd", "gemm_dgrad": "dgrad", "gemm_wgrad": "wgrad"}
@@ -128,13 +129,9 @@ def draw_trials(targets: Targets, n: int, seed: int, bits: tuple[int, ...], rs: 
 
 def flip_element(t: torch.Tensor, bit: int, seed: int) -> int:
     """Flip bit `bit` (modulo the element's width) of one element of `t` in place, drawn from `seed`;
-    returns the flat index."""
-    flat = t.detach().view(-1)
-    index = random.Random(seed).randrange(flat.numel())
-    width = 8 * t.element_size()
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    b = bit % width
-    flat[index : index + 1].view(ints).bitwise_xor_(-(1 << b) if b == width - 1 else 1 << b)
+    returns its index."""
+    index = random.Random(seed).randrange(t.numel())
+    flip_bit(t, index, bit)
     return index
 
 

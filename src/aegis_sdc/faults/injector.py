@@ -16,6 +16,17 @@ from aegis_sdc.hashing import unit_hash
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def flip_bit(tensor: torch.Tensor, index: int, bit: int) -> int:
+    """Flip bit `bit` modulo the element's width (0 = the lowest mantissa bit) of element `index` (in
+    logical order, any layout) of `tensor`, in place; returns the bit flipped."""
+    width = 8 * tensor.element_size()
+    bit %= width
+    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), tensor.shape))
+    element = tensor.detach()[where].view(_INT_OF_SIZE[tensor.element_size()])  # a view: in place
+    element.bitwise_xor_(-(1 << bit) if bit == width - 1 else 1 << bit)  # the sign bit: a negative mask
+    return bit
+
+
 @dataclass
 class Injection:
     """One fired fault. `fault` is final once the op has run (a provisional perturb is rescaled)."""
@@ -92,13 +103,9 @@ class FaultInjector:
         for spec in self.specs_for(site.name) if self.specs else ():
             if not spec.fires(site.id, step, call) or not self._strikes(spec, step) or tensor.numel() == 0:
                 continue
-            width = 8 * tensor.element_size()
             n = tensor.numel()
             index = min(spec.row if spec.row is not None else int(unit_hash(spec.seed, salt, site.id, step) * n), n - 1)
-            bit = spec.bit % width
-            where = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), tensor.shape))
-            element = tensor.detach()[where].view(_INT_OF_SIZE[tensor.element_size()])  # a view: in place
-            element.bitwise_xor_(-(1 << bit) if bit == width - 1 else 1 << bit)  # the sign bit: a negative mask
+            bit = flip_bit(tensor, index, spec.bit)
             injection = Injection(site.name, step, call, AccumulatorFault("bitflip", bit, 0.0, index, 0, 0.0, 0.0))
             self.applied(injection)
             return injection

@@ -35,6 +35,7 @@ compared.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,11 +73,7 @@ class UpdateInputs:
     ) -> tuple[list[torch.Tensor], list[dict]]:
         """The update once more, on copies (the inputs stay as they were): (parameters, states).
         `work`: the memory the copies are made in (the hot path's reused block; fresh ones without)."""
-        n = len(self.params)
-        keys = [sorted(k for k in state if isinstance(state[k], torch.Tensor)) for state in self.states]
-        flat = [*self.params, *self.grads, *(state[k] for state, ks in zip(self.states, keys, strict=True) for k in ks)]
-        copies = work.copy(flat) if work is not None else [t.clone() for t in flat]
-        params, grads, rest = copies[:n], copies[n : 2 * n], iter(copies[2 * n :])
+        params, grads, states = copied(self.params, self.grads, self.states, work.copy if work is not None else clones)
         for param, grad in zip(params, grads, strict=True):
             param.grad = grad
         # parameters that shared a group share one again (one fused or foreach call per group)
@@ -84,13 +81,31 @@ class UpdateInputs:
         for group, param in zip(self.groups, params, strict=True):
             grouped.setdefault(id(group), dict(group, params=[]))["params"].append(param)
         optimizer = kind(list(grouped.values()))
-        for param, state, ks in zip(params, self.states, keys, strict=True):
-            optimizer.state[param] = {**state, **{k: next(rest) for k in ks}}  # tensors copied, the rest as is
+        for param, state in zip(params, states, strict=True):
+            optimizer.state[param] = state
         for name, value in self.scaler.items():
             setattr(optimizer, name, value)
         with torch.no_grad():
             optimizer.step()
         return params, [optimizer.state[p] for p in params]
+
+
+def clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors]
+
+
+def copied(
+    params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], copy: Callable[[list], list]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[dict]]:
+    """Copies of parameters, their gradients and their optimizer states, made by `copy` over the flat
+    list of their tensors (one call: a `CopyArena` copies it with one launch per dtype); a state's
+    other entries are kept as they are."""
+    keys = [sorted(k for k in state if isinstance(state[k], torch.Tensor)) for state in states]
+    flat = [*params, *grads, *(state[k] for state, ks in zip(states, keys, strict=True) for k in ks)]
+    copies = copy(flat)
+    n, rest = len(params), iter(copies[2 * len(params) :])
+    return copies[:n], copies[n : 2 * n], [{**state, **{k: next(rest) for k in ks}}
+                                          for state, ks in zip(states, keys, strict=True)]  # fmt: skip
 
 
 class CopyArena:
@@ -165,9 +180,9 @@ def _digest(t: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def _clone_state(state: dict) -> dict:
-    return {key: local(value).clone() if isinstance(value, torch.Tensor) else value
-            for key, value in state.items()}  # fmt: skip
+def _local_state(state: dict) -> dict:
+    """An optimizer state with its tensors as local shards (FSDP2's DTensors), not copied."""
+    return {key: local(value) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
 
 
 def _state_tensors(state: dict) -> list[torch.Tensor]:
@@ -206,10 +221,8 @@ class UpdateCapture:
         inputs = record.inputs
         self.name = inputs.names[index]
         # copied: the record's inputs live in a block the next slices reuse (UpdateReplay)
-        self.inputs = UpdateInputs(
-            [self.name], [inputs.params[index].clone()], [inputs.grads[index].clone()],
-            [_clone_state(inputs.states[index])], [inputs.groups[index]], inputs.scaler,
-        )  # fmt: skip
+        params, grads, states = copied([inputs.params[index]], [inputs.grads[index]], [inputs.states[index]], clones)
+        self.inputs = UpdateInputs([self.name], params, grads, states, [inputs.groups[index]], inputs.scaler)
         self.kind = record.kind
         self.trained = fold([h.value for h in record.trained[index]])
         self.replayed = fold([h.value for h in record.replayed[index]])
@@ -306,19 +319,18 @@ class UpdateReplay:
         # the chosen parameters' group options as they are now (a scheduler changes the learning rate)
         options = {i: {k: v for k, v in groups[i].items() if k != "params"} for i in
                    {self._group_of[id(p)] for p in chosen}}  # fmt: skip
-        states = [optimizer.state.get(p, {}) for p in chosen]
-        keys = [sorted(k for k in state if isinstance(state[k], torch.Tensor)) for state in states]
-        flat = [*(local(p) for p in chosen), *(local(p.grad) for p in chosen),
-                *(local(state[k]) for state, ks in zip(states, keys, strict=True) for k in ks)]  # fmt: skip
         free = [i for i, holder in enumerate(self._holders) if holder is None]
         self._snapshot = free[0] if free else -1
-        copies = self._snapshots[self._snapshot].copy(flat) if free else [t.clone() for t in flat]
-        n, rest = len(chosen), iter(copies[2 * len(chosen) :])
+        params, grads, states = copied(
+            [local(p) for p in chosen], [local(p.grad) for p in chosen],
+            [_local_state(optimizer.state.get(p, {})) for p in chosen],
+            self._snapshots[self._snapshot].copy if free else clones,
+        )  # fmt: skip
         self._inputs = UpdateInputs(
             names=[self.names[id(p)] for p in chosen],
-            params=copies[:n],
-            grads=copies[n : 2 * n],
-            states=[{**state, **{k: next(rest) for k in ks}} for state, ks in zip(states, keys, strict=True)],
+            params=params,
+            grads=grads,
+            states=states,
             groups=[options[self._group_of[id(p)]] for p in chosen],
             scaler={name: getattr(optimizer, name) for name in SCALER_ATTRS if hasattr(optimizer, name)},
         )
