@@ -13,7 +13,12 @@ bf16 operands on every call:
    wgrad also the column statistic (the default `row+col` checks wgrad's columns; its own threshold);
 4. count false alarms over ≥ 10⁴ clean calls.
 
-    python benchmarks/sensitivity.py [--out benchmarks/results/sensitivity.json] [--smoke]
+    python benchmarks/sensitivity.py [--out benchmarks/results/sensitivity.json] [--smoke] [--plots DIR]
+    python benchmarks/sensitivity.py --replot benchmarks/results/sensitivity.json --plots docs/campaign
+
+`--plots` draws `gemm_fp32_vs_bf16_output.png` (AEGIS Fig. 16): detection against r for the checksum
+of the fp32 accumulator and for the same checksum of the rounded bf16 output, a panel per GEMM kind,
+a line per shape class.
 """
 
 from __future__ import annotations
@@ -155,7 +160,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sensitivity.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and counts (CPU interpreter check)")
     parser.add_argument("--clean-calls", type=int, default=3_400, help="clean calls per case (9 cases: ≥ 3×10⁴ in all)")
+    parser.add_argument("--plots", type=Path, default=None, help="draw the detection plot into this folder")
+    parser.add_argument("--replot", type=Path, default=None, help="draw the plot of this stored record and stop")
     args = parser.parse_args()
+    if args.replot is not None:
+        print(plot(json.loads(args.replot.read_text()), args.plots or Path(".")))
+        return
     if args.smoke:
         device, clean_for_m, clean_calls, repeats = "cpu", 20, 30, 4
         shapes = {"square": (64, 48, 96)}
@@ -184,8 +194,47 @@ def main() -> None:
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"env": env, "rows": rows, "summary": summary}, indent=2))
+    doc = {"env": env, "rows": rows, "summary": summary}
+    args.out.write_text(json.dumps(doc, indent=2))
+    if args.plots is not None:
+        plot(doc, args.plots)
     print(json.dumps(summary, indent=2))
+
+
+def plot(doc: dict, out_dir: Path) -> Path:
+    """Detection against r (× the median clean checksum difference m) per GEMM kind: the fp32
+    accumulator's checksum (solid) beside the rounded bf16 output's (dashed), a colour per shape class."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = ("fwd", "dgrad", "wgrad")
+    sources = (("fp32_accumulator", "-", "fp32 accumulator"), ("bf16_output", "--", "bf16 output"))
+    classes = sorted({r["shape_class"] for r in doc["rows"]})
+    colours = dict(zip(classes, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), sharey=True)
+    for ax, kind in zip(axes, kinds, strict=True):
+        for row in (r for r in doc["rows"] if r["gemm"] == kind):
+            rs = sorted(row["detection"], key=float)
+            x = [float(r) for r in rs]
+            for source, style, name in sources:
+                ax.plot(x, [row["detection"][r][source] for r in rs], style, marker="o", markersize=3,
+                        color=colours[row["shape_class"]], label=f"{row['shape_class']}, {name}")  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("r (× median clean checksum difference)")
+        ax.set_title(kind)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("detected")
+    axes[-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"One accumulator element off by r·m, {doc['env'].get('gpu', doc['env']['device'])}: "
+                 "checksum of the fp32 accumulator vs of the rounded bf16 output", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "gemm_fp32_vs_bf16_output.png"
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

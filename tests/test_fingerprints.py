@@ -261,3 +261,40 @@ def test_selective_activation_checkpointing_is_checked(tmp_path):
     guard, summary = train_small(SelectiveModel(), tmp_path, steps=6, rows=32, faults=faults)
     assert [(i.site.name, i.step) for i in guard.incidents] == [("block:recompute", 4)]
     assert summary.fingerprint_checks >= 6 and summary.not_deterministic == 0
+
+
+class _Gathered(torch.nn.Module):
+    """Saves an index tensor (the gather's positions, int64) before a floating-point one (the product's
+    input): a module whose first saved tensor is not an activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        picked = torch.gather(self.proj(x), 1, index)  # saves `index`
+        return picked * picked  # saves `picked`
+
+
+def test_a_saved_tensor_fault_flips_an_activation_never_an_index(tmp_path):
+    # An index with a flipped high bit is an out-of-bounds access in the backward (on the CPU gather's
+    # backward raises; on a GPU it is an illegal memory access that ends the process): the fault model
+    # of a corrupted activation strikes the site's first floating-point tensor instead.
+    torch.manual_seed(0)
+    model = _Gathered()
+    fault = aegis.FaultSpec(site="<root>:saved", model="bitflip", bit=30, steps=(3,))
+    config = guard_config(tmp_path, faults=(fault,), fingerprints=aegis.FingerprintConfig(saved_probability=1.0, saved_min_bytes=4))
+    guard = aegis.protect(model, config=config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard.attach_optimizer(optimizer)
+    index = torch.randint(0, 16, (8, 4))
+    for _ in range(5):
+        loss = model(torch.randn(8, 16), index).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    guard.close()
+    fired = list(guard.injector.log)
+    assert [(i.site, i.step) for i in fired] == [("<root>:saved", 3)]
+    found = [(i.site.name, i.step) for i in guard.incidents]
+    assert found == [("<root>:saved", 3)], found

@@ -277,10 +277,11 @@ def _autocast(state):
 class _Saved:
     """What the pack hook stores for a tensor of a sampled step."""
 
-    __slots__ = ("call", "first", "state", "step", "tensor")
+    __slots__ = ("call", "fault_call", "first", "state", "step", "tensor")
 
-    def __init__(self, tensor, state, step, call) -> None:
+    def __init__(self, tensor, state, step, call, fault_call) -> None:
         self.tensor, self.state, self.step, self.call, self.first = tensor, state, step, call, None
+        self.fault_call = fault_call  # its index among the site's floating-point tensors this step, else None
 
 
 SAVED_STEP_SITE = 0x5AFE  # the key of the per-step sampling decision (any fixed number, same on all ranks)
@@ -312,6 +313,7 @@ class SavedTensorChecker:
         self.packed: list[_Saved] = []
         self.used: list[_Saved] = []
         self._states: dict[str, object] = {}
+        self._float_calls: dict[str, tuple[int, int]] = {}  # module → (step, floating-point tensors saved)
         self._handles: list[Any] = []
         self._step_handles: list[Any] = []
         self._context: Any = None
@@ -381,14 +383,28 @@ class SavedTensorChecker:
         state = self._states.get(module)
         if state is None:
             state = self._states[module] = self.checks.site(module, FingerprintKind.SAVED)
-        saved = _Saved(t, state, self.clock.step, state.next_call(self.clock.step))
+        saved = _Saved(t, state, self.clock.step, state.next_call(self.clock.step), self._fault_call(module, t))
         self.packed.append(saved)
         return saved
+
+    def _fault_call(self, module: str, t: torch.Tensor) -> int | None:
+        """The call index an injected fault counts this tensor by: floating-point tensors only. An
+        integer tensor saved for backward holds indices (an embedding's token ids, a gather's
+        positions): one flipped bit there is an out-of-bounds access in the backward on a GPU — a
+        crash of the process, not a silent corruption — so the fault model of a corrupted activation
+        leaves them alone (the fingerprints still cover them)."""
+        if not t.is_floating_point():
+            return None
+        step, count = self._float_calls.get(module, (None, 0))
+        count = count if step == self.clock.step else 0
+        self._float_calls[module] = (self.clock.step, count + 1)
+        return count
 
     def _unpack(self, packed):
         if not isinstance(packed, _Saved):
             return packed
-        self.injector.flip_tensor_bit(packed.state.site, packed.step, packed.call, packed.tensor, salt=0x5A)
+        if packed.fault_call is not None:
+            self.injector.flip_tensor_bit(packed.state.site, packed.step, packed.fault_call, packed.tensor, salt=0x5A)
         self.used.append(packed)
         return packed.tensor
 
