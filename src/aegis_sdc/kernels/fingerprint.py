@@ -51,17 +51,19 @@ MASK32 = 0xFFFFFFFF
 FUNCTION = 2
 _KEY, _M1, _M2, _M3 = (tl.constexpr(c) for c in (KEY, M1, M2, M3))
 
-# Launch shapes by tensor size, chosen from sweeps of benchmarks/fingerprint.py on the H200 (the
-# committed run's sweep is `launch_sweep` in benchmarks/results/fingerprint.json; its kernel rows read
-# 1.40 TB/s at 16 MiB, 2.42 at 64 MiB, 3.28 at 256 MiB, 3.94 at 1 GiB with these shapes):
+# Launch shapes by tensor size, chosen from sweeps of benchmarks/fingerprint.py on the H200 for
+# fingerprint function 2 (results/fingerprint_function2_sweep.log: the best of 24 shapes per size read
+# 1.44 TB/s at 16 MiB, 2.49 at 64 MiB, 3.63 at 256 MiB, 4.34 at 1 GiB; the shapes before, function 1's
+# best, read 3.40 at 1 GiB and 2.84 at 256 MiB with function 2 — its three keyed entries are more
+# integer work per word, and more loads in flight (3 stages) now hide it):
 # `(up to this many words, words per loop iteration, programs, warps, pipeline stages)`.
 SHAPES = [
-    (1 << 22, 2048, 528, 8, 1),  # ≤ 16 MiB
-    (1 << 24, 1024, 1056, 4, 3),  # ≤ 64 MiB
-    (1 << 62, 2048, 2112, 8, 1),
+    (1 << 22, 2048, 528, 4, 3),  # ≤ 16 MiB
+    (1 << 26, 1024, 1056, 4, 3),  # ≤ 256 MiB
+    (1 << 62, 2048, 528, 4, 3),
 ]
 CHUNK = 1 << 16  # words per work item of the batched kernel (256 KB)
-BATCH_SHAPE = (1024, 1056, 8, 1)
+BATCH_SHAPE = (2048, 2112, 8, 3)  # 3.77 TB/s over 200 tensors (the sweep's best; 2.20 before)
 # Programs add their partial lanes into one of SPREAD sub-counters of a fingerprint's row (int32
 # [SPREAD, 2]), folded on the host: thousands of atomics on one address would serialize in L2.
 SPREAD = 16
