@@ -4,11 +4,13 @@ benchmark's environment.
     python benchmarks/campaign.py [--trials 2000] [--device cpu|cuda] [--dtype float32|bfloat16] [--out FILE]
                                   [--plots DIR]
     python benchmarks/campaign.py --replot FILE --plots DIR     (the plots of a stored record)
+    python benchmarks/campaign.py --ranks 3 [--trials 200]      (the all-reduce over gloo ranks)
 
 CPU: `benchmarks/results/campaign_cpu.json` and the plots under `docs/campaign/`. `summary`:
 `trials`, `confirmed_inside_coverage`, `missed_inside_coverage` (must be 0), `localized` (share of the
 confirmed faults inside the claims found at their own site, step and tile), `false_confirmed` (in the
-clean twins: must be 0), and the counts behind them.
+clean twins: must be 0), and the counts behind them. `--ranks N`: the campaign over N data-parallel
+gloo ranks (campaign/ranks.py) → `benchmarks/results/campaign_ranks_cpu.json`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plots", type=Path, default=None)
     parser.add_argument("--replot", type=Path, default=None, help="draw the plots of this record and stop")
+    parser.add_argument("--ranks", type=int, default=0, help="over this many gloo ranks: the all-reduce's buckets")
     args = parser.parse_args()
+    if args.ranks:
+        ranks(args)
+        return
     if args.replot is not None:
         campaign_report.plot(json.loads(args.replot.read_text()), args.plots or Path("."))
         return
@@ -62,6 +68,19 @@ def main() -> None:
     for location, counts in sorted(result.cells().items()):
         if counts["missed_inside"]:
             print("missed inside the claims:", location, counts, flush=True)
+    print(result.summary(), flush=True)
+
+
+def ranks(args: argparse.Namespace) -> None:
+    from aegis_sdc.campaign.ranks import RankCampaignConfig, run_rank_campaign
+
+    out = args.out or RESULTS / "campaign_ranks_cpu.json"
+    result = run_rank_campaign(RankCampaignConfig(trials=args.trials, world=args.ranks, seed=args.seed))
+    env = {"device": f"cpu (gloo, {args.ranks} processes)", "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", *sys.argv])}  # fmt: skip
+    campaign_report.write(result, out, env)
+    for cell, counts in sorted(result.cells().items()):
+        print(cell, counts, flush=True)
     print(result.summary(), flush=True)
 
 

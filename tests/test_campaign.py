@@ -80,3 +80,40 @@ def test_aegis_campaign_writes_its_record_and_exits_0(tmp_path):
         assert key in doc["summary"]
     assert (tmp_path / "campaign_coverage.png").stat().st_size > 0
     assert (tmp_path / "campaign_gemm_sensitivity.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_campaign_over_three_ranks_names_the_rank_whose_gradient_bucket_went_wrong():
+    # 12 trials over 3 gloo processes, exponent and mantissa bits: a rank's local gradient before the
+    # all-reduce (the peer replay's claim: any change) and one element of the reduced bucket on one
+    # rank (the collective check's claim: over twice its rounding bound).
+    from aegis_sdc.campaign.ranks import RankCampaignConfig, run_rank_campaign
+
+    result = run_rank_campaign(RankCampaignConfig(trials=12, world=3, bits=(30, 23, 16, 8), twin_every=6))
+    summary = result.summary()
+    assert summary["missed_inside_coverage"] == 0, [r for r in result.rows if r["inside"] and not r["confirmed"]]
+    assert summary["false_confirmed"] == 0 and summary["twin_false_alarms"] == 0 and summary["clean_twins"] == 3
+    assert summary["wrong_rank_named"] == 0 and summary["localized"] == 1.0
+    by_location = {loc: [r for r in result.rows if r["location"] == loc] for loc in ("allreduce_result",
+                                                                                     "allreduce_input")}  # fmt: skip
+    for location, rows in by_location.items():
+        assert len(rows) == 6 and all(r["injected"] for r in rows), location
+        assert any(r["inside"] for r in rows), location  # each claim is exercised
+    for r in by_location["allreduce_input"]:  # any change: the peer replay names the rank at its step
+        assert r["by_claimed_sensor"] == r["affected"], r
+    for r in by_location["allreduce_result"]:
+        if r["inside"]:  # the collective check names the rank at the fault's step (3 ranks: a majority)
+            assert r["by_claimed_sensor"] and r["size"] > 2.0, r
+    assert result.claims["allreduce_input"]["claimed"] and result.claims["allreduce_result"]["claimed"]
+
+
+def test_aegis_campaign_over_ranks_writes_its_record(tmp_path):
+    from aegis_sdc.cli import app
+
+    out = tmp_path / "ranks.json"
+    result = CliRunner().invoke(app, ["campaign", "--ranks", "2", "--trials", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"env", "rows", "summary", "claims", "cells"} and len(doc["rows"]) == 2
+    assert doc["summary"]["world"] == 2 and doc["env"]["campaign"]["world"] == 2
+    assert CliRunner().invoke(app, ["campaign", "--ranks", "1"]).exit_code == 2

@@ -147,10 +147,17 @@ def campaign(
     plots: Path = typer.Option(None, help="Folder for the coverage heat map and the GEMM sensitivity plot."),
     device: str = typer.Option("cpu", callback=_demo_device_option, help="cpu, cuda or auto."),
     seed: int = typer.Option(0, min=SEED_MIN, max=SEED_MAX, help="Seed of the model, the data and the trials."),
+    ranks: int = typer.Option(
+        0,
+        min=0,
+        help="Over this many data-parallel gloo ranks on the CPU (≥ 2): faults in "
+        "the gradient all-reduce; 0: one process, every other location.",
+    ),
 ) -> None:
     """Inject faults at every location the project knows, each in a short trial from one snapshot of a
     protected training, and check every miss against the coverage the configuration claims. Exit 0:
-    no miss inside the claims and nothing confirmed in the clean twins; 1 otherwise."""
+    no miss inside the claims and nothing confirmed in the clean twins; 1 otherwise. With `--ranks`,
+    the gradient buckets of the all-reduce on that many gloo processes (CPU)."""
     import time
 
     import torch
@@ -159,6 +166,11 @@ def campaign(
     from aegis_sdc.campaign import CampaignConfig, run_campaign
     from aegis_sdc.campaign import report as campaign_report
 
+    if ranks == 1:
+        raise typer.BadParameter("--ranks takes 0 (one process) or at least 2 ranks", param_hint="--ranks")
+    if ranks:
+        _rank_campaign(trials, out, seed, ranks)
+        return
     resolved = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     dtype = "bfloat16" if resolved == "cuda" else "float32"  # on a GPU: the Triton kernels, as training runs them
     cfg = CampaignConfig(trials=trials, seed=seed, device=resolved, dtype=dtype)
@@ -175,6 +187,24 @@ def campaign(
     for miss in result.misses_inside()[:10]:
         line = f"missed inside the claimed coverage: {miss.trial.cell} at {miss.trial.site}"
         Console(stderr=True).print(escape(line))
+    raise typer.Exit(0 if summary["missed_inside_coverage"] == 0 and summary["false_confirmed"] == 0 else 1)
+
+
+def _rank_campaign(trials: int, out: Path, seed: int, world: int) -> None:
+    """`aegis campaign --ranks N`: the all-reduce's gradient buckets over N gloo processes."""
+    import time
+
+    import torch
+
+    from aegis_sdc.campaign import report as campaign_report
+    from aegis_sdc.campaign.ranks import RankCampaignConfig, run_rank_campaign
+
+    with Console(stderr=True).status(f"{trials} trials over {world} ranks"):
+        result = run_rank_campaign(RankCampaignConfig(trials=trials, world=world, seed=seed))
+    env = {"device": "cpu (gloo)", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    campaign_report.write(result, out, env)
+    summary = result.summary()
+    Console().print_json(json.dumps(summary))
     raise typer.Exit(0 if summary["missed_inside_coverage"] == 0 and summary["false_confirmed"] == 0 else 1)
 
 

@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from aegis_sdc.campaign.ranks import RankCampaignResult
 from aegis_sdc.campaign.runner import CampaignResult
 from aegis_sdc.campaign.trials import GEMM_LOCATIONS, LOCATIONS
 
@@ -28,8 +29,14 @@ def record(result: CampaignResult, env: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def write(result: CampaignResult, out: Path, env: dict[str, Any]) -> dict[str, Any]:
-    doc = record(result, env)
+def record_ranks(result: RankCampaignResult, env: dict[str, Any]) -> dict[str, Any]:
+    """The same record for a campaign over data-parallel ranks (campaign/ranks.py)."""
+    return {"env": {**env, "campaign": asdict(result.config)}, "rows": result.rows, "summary": result.summary(),
+            "claims": result.claims, "cells": result.cells()}  # fmt: skip
+
+
+def write(result: CampaignResult | RankCampaignResult, out: Path, env: dict[str, Any]) -> dict[str, Any]:
+    doc = record_ranks(result, env) if isinstance(result, RankCampaignResult) else record(result, env)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
