@@ -15,8 +15,12 @@ changed at a time (the kernel's module loaded again from patched source; `--part
 launch, and with no evidence. `--warp-specialized`: the kernel's parts with Triton's warp
 specialization of the tile loop, and whether its output is bit-identical.
 
-    python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--evidence-parts [--parts a,b] | --warp-specialized]
-        [--out benchmarks/results/gemm_diagnose.json]
+`--side-groups 1,2,4,8`: the reference side's slices taken by every g-th tile of a block, g times as
+long (TritonGemmConfig.side_group), for each g: the side and partials alone, the training step's
+checked launch, and the wgrad's row+col.
+
+    python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--evidence-parts [--parts a,b] | --warp-specialized
+        | --side-groups 1,2,4] [--out benchmarks/results/gemm_diagnose.json]
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ from aegis_sdc.kernels import triton_gemm as tg
 SHAPES = [("gate_up", 8192, 2048, 5632), ("q_o", 8192, 2048, 2048), ("kv", 8192, 2048, 256), ("8b.o", 8192, 4096, 4096)]
 
 
-def variants(case: Case, warp_specialized: bool = False, stages: int | None = None) -> dict:
+def variants(case: Case, warp_specialized: bool = False, stages: int | None = None, side_group: int = 1) -> dict:
     """The variants by name; with `warp_specialized`, the same parts on the kernel with its tile loop
     warp-specialized (`_KERNEL_CHANGES["warp_specialized"]`: Triton's Hopper partitioning, a producer
     warp group for the TMA loads and two consumer warp groups that split the tile's rows; one warp
-    group per consumer: num_warps = 4)."""
-    a, b, out, cfg = case.a, case.b, case.out, case.cfg
+    group per consumer: num_warps = 4). `side_group`: TritonGemmConfig.side_group (every g-th tile
+    computes a reference-side slice g times as long)."""
+    a, b, out = case.a, case.b, case.out
+    cfg = dataclasses.replace(case.cfg, side_group=side_group)
     kernels = tg
     if warp_specialized:
         kernels = _kernel_module_changed("warp_specialized")
@@ -78,7 +84,7 @@ def variants(case: Case, warp_specialized: bool = False, stages: int | None = No
         "row_byproduct_parts": launch(cfg=parts, **training),
         "byproduct_inline": launch(cfg=inline, **byproduct),
         "byproduct_separate": launch(cfg=separate, **byproduct),
-        "rowcol": case.ours("rowcol"),
+        "rowcol": case.ours("rowcol", cfg),
         "rowcol_parts": case.ours("rowcol", parts),
     }
 
@@ -238,6 +244,8 @@ def main() -> None:
                         help="with --evidence-parts: which of its changes (default: all)")  # fmt: skip
     parser.add_argument("--warp-specialized", action="store_true",
                         help="the warp-specialized variants, and whether their output is bit-identical")  # fmt: skip
+    parser.add_argument("--side-groups", default=None,
+                        help="side_group values to sweep, comma-separated (TritonGemmConfig)")  # fmt: skip
     args = parser.parse_args()
     if args.profile_host:
         profile_host()
@@ -265,6 +273,12 @@ def main() -> None:
                                                                       expected.view(torch.int16)))  # fmt: skip
                 except RuntimeError as error:
                     row["ws_error"] = str(error).splitlines()[0][:200]
+            if args.side_groups:
+                swept = ("side_and_partials", "row_byproduct_inline", "rowcol")
+                chosen = {"unchecked": chosen["unchecked"]} | {
+                    f"{key}_g{g}": fn for g in map(int, args.side_groups.split(","))
+                    for key, fn in variants(case, side_group=g).items() if key in swept
+                }  # fmt: skip
             if args.evidence_parts:
                 chosen = {key: chosen[key] for key in ("unchecked", "side_and_partials", "row_separate",
                                                        "row_byproduct_inline")}  # fmt: skip

@@ -9,6 +9,8 @@
 #   evidence-parts  the evidence inside the launch beside it with parts switched off or changed
 #                 (results/gemm_diagnose_evidence_parts.json), then the checked GEMM's
 #                 GPU tests (about 3 minutes) and the inline-against-second-launch shadow of a real step
+#   side-groups   the reference side's slices taken by every g-th tile, g = 1, 2, 4, 8
+#                 (benchmarks/gemm_diagnose.py --side-groups → results/gemm_diagnose_side_groups.json)
 #   tune          choose the configuration per shape class (benchmarks/gemm_tune.py → results/gemm_tune.json)
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
 #   sensitivity   detection at r = 1 and false alarms at three shape classes (results/sensitivity.json)
@@ -79,6 +81,11 @@ case "${1:-tests-1}" in
     timeout 200 python benchmarks/evidence_shadow.py --out benchmarks/results/evidence_shadow.json 2>&1 | grep -v Warn \
       | tee "$out/evidence_shadow.log" | tail -6
     cp benchmarks/results/evidence_shadow.json "$out/" ;;
+  side-groups)
+    timeout 400 python benchmarks/gemm_diagnose.py --layers gate_up,q_o,kv,8b.o --side-groups 1,2,4,8 \
+      --out benchmarks/results/gemm_diagnose_side_groups.json 2>&1 | grep -v "Warn\|^kernel regs" \
+      | tee "$out/gemm_diagnose_side_groups.log" | tail -12
+    cp benchmarks/results/gemm_diagnose_side_groups.json "$out/" 2>/dev/null ;;
   tune)
     timeout 570 python benchmarks/gemm_tune.py --out "$out/gemm_tune.json" 2>&1 | tee "$out/gemm_tune.log" ;;
   gemm-1)
@@ -164,5 +171,5 @@ case "${1:-tests-1}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|evidence|diagnose|evidence-parts|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|evidence|diagnose|evidence-parts|side-groups|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

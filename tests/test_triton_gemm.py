@@ -150,16 +150,18 @@ def test_values_and_checksums_match_the_reference_path(kind, dtype, shape):
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
-@pytest.mark.parametrize("model", [tg.FAULT_PERTURB, tg.FAULT_BITFLIP])
+@pytest.mark.parametrize(("model", "side_group"), [(tg.FAULT_PERTURB, 1), (tg.FAULT_BITFLIP, 1), (tg.FAULT_BITFLIP, 2)])
 # A flipped exponent bit can make the corrupted element overflow in the bf16 output cast: that inf is
 # the corruption itself, and the interpreter warns about it in numpy.
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-def test_a_fault_is_detected_located_captured_and_replayed(kind, model):
+def test_a_fault_is_detected_located_captured_and_replayed(kind, model, side_group):
+    # side_group 2: every other tile computes a reference-side slice twice as long (TritonGemmConfig)
     m, k, n = 64, 48, 96
     dtype = torch.float16
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=4)
     fault = (model, 41, 70, 3.0, 1 << 27)
-    _, _, stats, _, call = launch(a, b, flags, logical, dtype, fault=fault, thresholds=(40.0, 40.0))
+    cfg = dataclasses.replace(tg.config_for(m, n, k), side_group=side_group)
+    _, _, stats, _, call = launch(a, b, flags, logical, dtype, fault=fault, thresholds=(40.0, 40.0), cfg=cfg)
     ev = decode(stats)
     assert ev["alarm"] == 3 and ev["slot"] == 1
     assert ev["row_index"] == 41 and ev["col_index"] == 70
@@ -176,11 +178,16 @@ def test_a_fault_is_detected_located_captured_and_replayed(kind, model):
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
-@pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_clean_captures_replay_bit_for_bit(kind, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "side_group"),
+    [(torch.float16, 1), (torch.float16, 3),
+     pytest.param(torch.float32, 1, marks=pytest.mark.skipif(DEVICE == "cuda", reason="fp32 runs on cuBLAS on a GPU"))],
+)  # fmt: skip
+def test_clean_captures_replay_bit_for_bit(kind, dtype, side_group):
     m, k, n = 72, 32, 64
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=9)
-    _, _, stats, _, call = launch(a, b, flags, logical, dtype, thresholds=(0.0, 0.0))  # force a capture
+    cfg = dataclasses.replace(tg.config_for(m, n, k), side_group=side_group)
+    _, _, stats, _, call = launch(a, b, flags, logical, dtype, thresholds=(0.0, 0.0), cfg=cfg)  # force a capture
     ev = decode(stats)
     assert ev["alarm"] != 0 and ev["slot"] == 1
     capture = TritonGemmCapture(call, 0, ev["row_index"], ev["col_index"])
@@ -204,13 +211,14 @@ _FEW_TILES, _MANY_TILES = (64, 48, 96), (288, 32, 640)
 # every kind and way on few tiles; on many (10 s each on the interpreter), the atomic totals both kinds,
 # the stored parts the wgrad, whose launch finishes row and column blocks from them
 @pytest.mark.parametrize(
-    ("kind", "mkn", "totals"),
-    [(kind, _FEW_TILES, totals) for kind in ("fwd", "wgrad") for totals in (True, False)]
-    + [("fwd", _MANY_TILES, True), ("wgrad", _MANY_TILES, True), ("wgrad", _MANY_TILES, False)],
+    ("kind", "mkn", "totals", "side_group"),
+    [(kind, _FEW_TILES, totals, 1) for kind in ("fwd", "wgrad") for totals in (True, False)]
+    + [("fwd", _MANY_TILES, True, 1), ("wgrad", _MANY_TILES, True, 1), ("wgrad", _MANY_TILES, False, 1),
+       ("wgrad", _MANY_TILES, False, 4)],
     ids=["few-fwd-totals", "few-fwd-parts", "few-wgrad-totals", "few-wgrad-parts", "many-fwd-totals",
-         "many-wgrad-totals", "many-wgrad-parts"],
+         "many-wgrad-totals", "many-wgrad-parts", "many-wgrad-parts-side-group-4"],
 )  # fmt: skip
-def test_inline_and_separate_evidence_agree(kind, mkn, totals):
+def test_inline_and_separate_evidence_agree(kind, mkn, totals, side_group):
     # The verdict, indices and capture are the same whether the programs that complete the blocks
     # judge them inside the launch or a second launch sums the tiles' parts. From fp64 totals the
     # tiles add atomically in arrival order (`totals`), the maxima agree to fp64 rounding of that
@@ -221,8 +229,9 @@ def test_inline_and_separate_evidence_agree(kind, mkn, totals):
     # vectors and completes several blocks.
     a, b, flags, logical = orientation(kind, *mkn, torch.float16, seed=3)
     fault = (tg.FAULT_PERTURB, 17, 50, 2.0, 0)
-    inline_cfg = dataclasses.replace(tg.default_config(), inline_evidence=True, inline_totals=totals)
-    separate_cfg = dataclasses.replace(tg.default_config(), inline_evidence=False)
+    base = dataclasses.replace(tg.default_config(), side_group=side_group)
+    inline_cfg = dataclasses.replace(base, inline_evidence=True, inline_totals=totals)
+    separate_cfg = dataclasses.replace(base, inline_evidence=False)
     runs = [launch(a, b, flags, logical, torch.float16, fault=fault, thresholds=(40.0, 40.0), cfg=cfg)
             for cfg in (inline_cfg, separate_cfg)]  # fmt: skip
     (out1, _, stats1, counters1, call1), (out2, _, stats2, counters2, call2) = runs
@@ -313,18 +322,21 @@ def test_the_reference_side_is_spread_over_the_tiles_by_k_slices(kind):
     # Tile j of a row block computes K slice j of tiles_n of A·c (tile i of a column block slice i of
     # u1ᵀB): as many slices as tiles, each within an fp32 chain's bound of its exact slice sum, and
     # the same whatever the tiling (two column-tile widths give 3 and 2 slices of 5 K tiles).
+    # With side_group g every g-th tile computes one of ⌈tiles/g⌉ longer slices (3 column tiles, g = 2:
+    # 2 slices; 2 row tiles: 1).
     m, k, n = 64, 80, 96  # 5 K tiles of 16
     a, b, flags, logical = orientation(kind, m, k, n, torch.float16, seed=5)
     A64, B64 = logical[0].double().cpu(), logical[1].double().cpu()
     c, u1 = B64.sum(1), A64.sum(0)
-    for block_n in (32, 64):
-        cfg = dataclasses.replace(tg.default_config(), block_n=block_n)
+    for block_n, side_group in ((32, 1), (64, 1), (32, 2)):
+        cfg = dataclasses.replace(tg.default_config(), block_n=block_n, side_group=side_group)
         _, res, stats, *_ = launch(a, b, flags, logical, torch.float16, cfg=cfg)
         tiles_m, tiles_n = -(-m // cfg.block_m), -(-n // block_n)
-        assert res.rowref_parts.shape == (tiles_n, m) and res.colref_parts.shape == (tiles_m, n)
+        parts = -(-tiles_n // side_group)
+        assert res.rowref_parts.shape == (parts, m) and res.colref_parts.shape == (-(-tiles_m // side_group), n)
         k_tiles = -(-k // cfg.block_k)
-        for j in range(tiles_n):  # slice j: K tiles [j·k_tiles/tiles_n, (j+1)·k_tiles/tiles_n)
-            ks = slice(j * k_tiles // tiles_n * cfg.block_k, (j + 1) * k_tiles // tiles_n * cfg.block_k)
+        for j in range(parts):  # slice j: K tiles [j·k_tiles/parts, (j+1)·k_tiles/parts)
+            ks = slice(j * k_tiles // parts * cfg.block_k, (j + 1) * k_tiles // parts * cfg.block_k)
             exact = A64[:, ks] @ c[ks]
             # an fp32 chain of at most k products, each exact (three dtype parts of c; fp32 products)
             bound = 3 * k * U32 * (A64[:, ks].abs() @ c[ks].abs()) + 1e-30

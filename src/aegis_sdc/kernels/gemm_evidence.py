@@ -158,9 +158,9 @@ def _capture(a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr,
     Slot, data part (operand dtype): A's row block [BM, K] ([K, BM] when A_T); for a tile capture
     also B's column block [BN, K] when B_T else [K, BN].
     Slot, fp64 part — rows capture (all tiles j of the row block): row_part [tiles_n, BM],
-    out_part [tiles_n, BM], the row reference A·c per K slice [tiles_n, BM]; tile capture (tile
-    i, j): row_part [BM], out_part [BM], A·c per slice [tiles_n, BM], col_part [BN], the column
-    reference u1ᵀB per slice [tiles_m, BN]. (row_parts = tiles_n, col_parts = tiles_m.)
+    out_part [tiles_n, BM], the row reference A·c per K slice [row_parts, BM]; tile capture (tile
+    i, j): row_part [BM], out_part [BM], A·c per slice [row_parts, BM], col_part [BN], the column
+    reference u1ᵀB per slice [col_parts, BN] (ops/triton_replay.TritonGemmCapture reads them).
     """
     slot = tl.atomic_add(pool_counter_ptr, 1)
     if slot < POOL:
@@ -185,9 +185,10 @@ def _capture(a_ptr, b_ptr, row_part_ptr, out_part_ptr, col_part_ptr, rowref_ptr,
             _copy_parts(col_part_ptr + i * N, 1, N, col0, f32, BN)
             _copy_parts(colref_ptr, col_parts, N, col0, f32 + BN, BN)
         else:
-            _copy_parts(row_part_ptr, row_parts, M, row0, f32, BM)
-            _copy_parts(out_part_ptr, row_parts, M, row0, f32 + row_parts * BM, BM)
-            _copy_parts(rowref_ptr, row_parts, M, row0, f32 + 2 * row_parts * BM, BM)
+            tiles_n = tl.cdiv(N, BN)
+            _copy_parts(row_part_ptr, tiles_n, M, row0, f32, BM)
+            _copy_parts(out_part_ptr, tiles_n, M, row0, f32 + tiles_n * BM, BM)
+            _copy_parts(rowref_ptr, row_parts, M, row0, f32 + 2 * tiles_n * BM, BM)
         tl.store(stats_ptr + _ST_SLOT, (slot + 1).to(tl.int64))
 
 

@@ -395,13 +395,24 @@ def checked_gemm_kernel(
         # the same small share, so none straggles; a replay of one tile (side_all) does every slice.
         # (One streaming pass per block instead, as work items after the tiles, measured slower on the
         # H200: a long narrow pass is latency-bound too, and it lands at the end of the launch.)
+        # With side_group g > 1 (TritonGemmConfig) only every g-th tile of a row (column) block takes a
+        # slice, g times as long: row_parts = ⌈tiles_n / g⌉ slices, slice p in the tile of column block
+        # p·⌈tiles_n / row_parts⌉ — fewer slice loops, each paying its first loads' latency once.
         if ROW_SIDE:
-            for part in range(tl.where(replay, 0, pid_n), tl.where(replay, row_parts, pid_n + 1)):
+            row_group = tl.cdiv(tiles_n, row_parts)
+            row_slice = pid_n // row_group
+            row_owner = (pid_n % row_group) == 0
+            for part in range(tl.where(replay, 0, row_slice),
+                              tl.where(replay, row_parts, tl.where(row_owner, row_slice + 1, row_slice))):  # fmt: skip
                 _side_part(a_desc, side_c_desc, c_scale_ptr, off_m, part, row_parts, k_tiles, rowref_ptr, rowones_ptr,
                            row_diff, ones_total, M, True, A_T, True, TOTALS and ROW_CHECK,
                            TOTALS and (BYPRODUCT or SIDE_OUT), UPCAST, BM, BK)  # fmt: skip
         if COL_CHECK:
-            for part in range(tl.where(replay, 0, pid_m), tl.where(replay, col_parts, pid_m + 1)):
+            col_group = tl.cdiv(tiles_m, col_parts)
+            col_slice = pid_m // col_group
+            col_owner = (pid_m % col_group) == 0
+            for part in range(tl.where(replay, 0, col_slice),
+                              tl.where(replay, col_parts, tl.where(col_owner, col_slice + 1, col_slice))):  # fmt: skip
                 _side_part(b_desc, side_u_desc, u_scale_ptr, off_n, part, col_parts, k_tiles, colref_ptr, colref_ptr,
                            col_diff, col_diff, N, False, B_T, False, TOTALS, False, UPCAST, BN, BK)  # fmt: skip
     if EVIDENCE:
@@ -459,6 +470,13 @@ class TritonGemmConfig:
     # program sums the block's stored per-tile partials and slices in their fixed order, as the
     # second launch does (False: no fp64 atomics in the tiles, more reads at the finish).
     inline_totals: bool = True
+    # Tiles per reference-side slice: 1 — every tile of a row block computes one K slice of A·S after
+    # its own K loop (slice j in column block j); g > 1 — every g-th tile computes a slice g times as
+    # long (⌈tiles_n / g⌉ slices; the same for the column side over row blocks). A slice loop pays its
+    # first loads' latency unhidden (the side's cost on the H200, docs/gpu.md); fewer, longer loops pay
+    # it fewer times, at the price of tiles that run longer than their neighbours. Part of the
+    # configuration because the slices' fp32 chains, and so the bits a replay compares, depend on it.
+    side_group: int = 1
 
 
 # Hopper: 128×256×64 tiles, 8 warps, 3 stages run bf16 GEMMs at cuBLAS speed on the H200.
@@ -554,9 +572,10 @@ class CapturePool:
         """(data_len, f32_len) one capture of this GEMM needs (see gemm_evidence._capture)."""
         bm, bn = cfg.block_m, cfg.block_n
         tiles_m, tiles_n = -(-m // bm), -(-n // bn)
+        row_parts, col_parts = side_parts(tiles_n, cfg), side_parts(tiles_m, cfg)
         if capture == CAPTURE_TILE:
-            return bm * k + bn * k, (2 + tiles_n) * bm + (1 + tiles_m) * bn
-        return bm * k, 3 * tiles_n * bm
+            return bm * k + bn * k, (2 + row_parts) * bm + (1 + col_parts) * bn
+        return bm * k, (2 * tiles_n + row_parts) * bm
 
     @classmethod
     def allocate(cls, slots: int, data_len: int, f32_len: int, dtype: torch.dtype, device) -> CapturePool:
@@ -565,6 +584,11 @@ class CapturePool:
             torch.empty(slots, f32_len, dtype=torch.float64, device=device),
             torch.zeros(1, dtype=torch.int32, device=device),
         )
+
+
+def side_parts(tiles: int, cfg: TritonGemmConfig) -> int:
+    """K slices of a reference side over `tiles` tiles (row side: tiles_n; column side: tiles_m)."""
+    return ceil_div(tiles, cfg.side_group)
 
 
 def counters_needed(m: int, n: int, cfg: TritonGemmConfig) -> int:
@@ -798,8 +822,8 @@ class _Layout:
          stride_c) = key  # fmt: skip
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         tiles_m, tiles_n = ceil_div(m, bm), ceil_div(n, bn)
-        row_parts = row_parts or tiles_n
-        col_parts = col_parts or tiles_m
+        row_parts = row_parts or side_parts(tiles_n, cfg)
+        col_parts = col_parts or side_parts(tiles_m, cfg)
         if has_side_out and a_dtype != torch.bfloat16:
             raise ValueError("the kernel writes S(A·1) for bf16 operands only (fp16 needs a scale: SideMatrix.of)")
         if (has_byproduct or has_side_out) and not row_side:

@@ -92,6 +92,8 @@ class TritonGemmCapture(ReferencedOperands):
         cfg = call.cfg
         bm, bn, k = cfg.block_m, cfg.block_n, call.k
         self.tiles_m, self.tiles_n = -(-call.m // bm), -(-call.n // bn)
+        # the reference sides' K slices as the launch computed them (TritonGemmConfig.side_group)
+        self.row_parts, self.col_parts = tg.side_parts(self.tiles_n, cfg), tg.side_parts(self.tiles_m, cfg)
         self.row_block = row_index // bm
         self.col_block = col_index // bn
         r0 = self.row_block * bm
@@ -106,17 +108,17 @@ class TritonGemmCapture(ReferencedOperands):
             self.cols = min(bn, call.n - c0)
             slab = data[bm * k : bm * k + bn * k]
             self.b_slab = (slab.view(bn, k) if call.b_t else slab.view(k, bn)).contiguous()
-            tm, tn = self.tiles_m, self.tiles_n
+            rp, cp = self.row_parts, self.col_parts
             parts = f32[: 2 * bm].view(2, bm)
-            refs = f32[2 * bm : (2 + tn) * bm].view(tn, bm)
-            cols = f32[(2 + tn) * bm : (2 + tn) * bm + (1 + tm) * bn]
+            refs = f32[2 * bm : (2 + rp) * bm].view(rp, bm)
+            cols = f32[(2 + rp) * bm : (2 + rp) * bm + (1 + cp) * bn]
             with_cols = call.u1 is not None
             self.saved = TritonRegion(
                 row_part=parts[0:1, rows],
                 out_part=parts[1:2, rows],
                 ref_part=refs[:, rows],
                 col_part=cols[:bn].view(1, bn)[:, : self.cols] if with_cols else torch.empty(0),
-                colref_part=cols[bn:].view(tm, bn)[:, : self.cols] if with_cols else torch.empty(0),
+                colref_part=cols[bn:].view(cp, bn)[:, : self.cols] if with_cols else torch.empty(0),
                 b_rowsum=call.cvec,
             )
             self.region = Tile(r0, r0 + self.rows, c0, c0 + self.cols)
@@ -124,12 +126,12 @@ class TritonGemmCapture(ReferencedOperands):
         else:
             self.extent = "rows"
             self.b_slab = None
-            t = self.tiles_n
+            t, rp = self.tiles_n, self.row_parts
             parts = f32[: 2 * t * bm].view(2, t, bm)
             self.saved = TritonRegion(
                 row_part=parts[0, :, rows],
                 out_part=parts[1, :, rows],
-                ref_part=f32[2 * t * bm : 3 * t * bm].view(t, bm)[:, rows],
+                ref_part=f32[2 * t * bm : (2 * t + rp) * bm].view(rp, bm)[:, rows],
                 col_part=torch.empty(0),
                 colref_part=torch.empty(0),
                 b_rowsum=call.cvec,
@@ -159,6 +161,7 @@ class TritonGemmCapture(ReferencedOperands):
         bm, bn = cfg.block_m, cfg.block_n
         self.call = call
         self.tiles_m, self.tiles_n = -(-call.m // bm), -(-call.n // bn)
+        self.row_parts, self.col_parts = tg.side_parts(self.tiles_n, cfg), tg.side_parts(self.tiles_m, cfg)
         self.row_block, self.col_block = row_block, col_block
         r0 = row_block * bm
         self.rows = min(bm, call.m - r0)
@@ -210,8 +213,8 @@ class TritonGemmCapture(ReferencedOperands):
             row_side=True,
             col_check=tile and call.u1 is not None,
             side_all=tile,
-            row_parts=self.tiles_n,
-            col_parts=self.tiles_m,
+            row_parts=self.row_parts,
+            col_parts=self.col_parts,
             fault=fault,
             evidence=False,
             cfg=cfg,
