@@ -491,25 +491,29 @@ SHAPE_TABLE = [(2048, 2048, 256), (2048, 8192, 128), (8192, 3584, 512), (4096, 4
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("side_group", [1, 4])
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
 @pytest.mark.parametrize("shape", SHAPE_TABLE, ids=lambda s: "x".join(map(str, s)))
-def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape):
+def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape, side_group):
     # A fault in the last tile (neither row block 0 nor column block 0, where they exist: that tile ran
     # the plain K loop, its replay the loop with both reference sides) is detected at its row (and, with
     # a column check, its column); the replay differs from the capture in the faulted row and column
-    # only: every other accumulator sum and both reference sides are bit for bit the original's.
+    # only: every other accumulator sum and both reference sides are bit for bit the original's. With
+    # side_group 4, every fourth tile of a block computes the side's slices (TritonGemmConfig).
     m, k, n = shape
     dtype = torch.bfloat16
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=11)
     rows, cols = logical[0].shape[0], logical[1].shape[1]
     col = kind != "dgrad"  # wgrad's default column check, and the forward's optional one
-    *_, stats, _, _ = launch(a, b, flags, logical, dtype, thresholds=(1e9, 1e9), col=col)
+    cfg = dataclasses.replace(tg.config_for(rows, cols, logical[0].shape[1]), side_group=side_group)
+    *_, stats, _, _ = launch(a, b, flags, logical, dtype, thresholds=(1e9, 1e9), col=col, cfg=cfg)
     clean = decode(stats)
     assert clean["alarm"] == 0 and clean["nonfinite"] == 0, clean
     fault_row, fault_col = rows - 1, cols - 1
     fault = (tg.FAULT_BITFLIP, fault_row, fault_col, 0.0, 1 << 26)
     thresholds = (4 * clean["row"], 4 * clean["col"] if col else 1e9)
-    _, _, stats, counters, call = launch(a, b, flags, logical, dtype, fault=fault, thresholds=thresholds, col=col)
+    _, _, stats, counters, call = launch(a, b, flags, logical, dtype, fault=fault, thresholds=thresholds, col=col,
+                                         cfg=cfg)  # fmt: skip
     ev = decode(stats)
     assert ev["alarm"] & 1 and ev["row_index"] == fault_row and ev["slot"] == 1, ev
     if col:

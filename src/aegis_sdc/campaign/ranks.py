@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from aegis_sdc.faults.injector import flip_bit
+from aegis_sdc.faults.models import FaultSpec
 from aegis_sdc.validation import check_int, set_field
 
 RANK_LOCATIONS = ("allreduce_result", "allreduce_input")
@@ -173,7 +175,78 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _RankFaults:
+    """This rank's side of a trial's fault: arms it for the trial's first step and says whether it fired.
+
+    `allreduce_input`: a hook on every parameter flips one element of the named parameter's local
+    gradient in the step's first backward (the training's; a peer replay's comes later in the step).
+    `allreduce_result`: the injector's fault on the bucket's site, with its size measured where it lands
+    — the element's change over its chunk's rounding bound (the collective check's own)."""
+
+    def __init__(self, guard, params: dict[str, torch.nn.Parameter]) -> None:
+        self.guard = guard
+        self.armed: dict[str, Any] = {}
+        self.sizes: list[float] = []
+        self._changed: tuple | None = None  # (site, flat index, |change|) of the last corrupted result
+        self._injections = 0
+        for name, p in params.items():
+            p.register_hook(self._gradient_fault(name))
+        checks = guard.comm_checks
+        inject, record = checks.fault_hook, checks.record
+
+        def measured_fault(site, step: int, result: torch.Tensor) -> None:
+            before = result.clone()
+            inject(site, step, result)
+            changed = (result.double() - before.double()).abs()
+            if bool(changed.gt(0).any()) or not bool(torch.equal(result.isnan(), before.isnan())):
+                changed = changed.nan_to_num(float("inf"))  # a NaN or infinite result: the largest change
+                self._changed = (site, int(changed.argmax()), float(changed.max()))
+
+        def recording(site, expected, received, world, dtype, rescan=None, scale=1.0) -> None:
+            record(site, expected, received, world, dtype, rescan=rescan, scale=scale)
+            changed, self._changed = self._changed, None
+            if changed is not None and changed[0] is site:
+                last = checks.records[-1]
+                bound = float(last.bound[changed[1] // last.chunk_size])
+                self.sizes.append(changed[2] / bound if bound > 0 else float("inf"))
+
+        checks.fault_hook, checks.record = measured_fault, recording
+
+    def _gradient_fault(self, name: str):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            armed = self.armed
+            if armed.get("param") != name or armed.get("step") != self.guard.step_number:
+                return grad
+            armed.pop("param")
+            grad = grad.clone()
+            flip_bit(grad, armed["index"] % grad.numel(), armed["bit"])
+            return grad
+
+        return hook
+
+    def arm(self, trial: RankTrial, step: int) -> None:
+        self.sizes.clear()
+        self._injections = self.guard.injector.log.total
+        if trial.location == "allreduce_result":
+            spec = FaultSpec(site=trial.target, model="bitflip", bit=trial.bit, steps=(step,), seed=trial.seed)
+            self.guard.injector.set_specs((spec,))
+        else:
+            self.armed.update(param=trial.target, step=step, bit=trial.bit, index=trial.seed)
+
+    def disarm(self, trial: RankTrial) -> bool:
+        """Whether the armed fault fired."""
+        self.guard.injector.set_specs(())
+        if trial.location == "allreduce_result":
+            fired = self.guard.injector.log.total > self._injections
+        else:
+            fired = "param" not in self.armed
+        self.armed.clear()
+        return fired
+
+
 def _rank_main(rank: int, cfg: RankCampaignConfig, port: int, out: str) -> None:
+    """One rank: a protected DDP training, the campaign's trials in lockstep with the other ranks, each
+    trial's outcome gathered on every rank; rank 0 saves the record."""
     import logging
     import warnings
 
@@ -181,9 +254,6 @@ def _rank_main(rank: int, cfg: RankCampaignConfig, port: int, out: str) -> None:
 
     import aegis_sdc as aegis
     from aegis_sdc.events import VerdictKind
-    from aegis_sdc.faults.injector import flip_bit
-    from aegis_sdc.faults.models import FaultSpec
-    from aegis_sdc.kernels.reference import bitwise_equal
     from aegis_sdc.response.policies import SilentDataCorruptionWarning
     from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
     from aegis_sdc.workloads.llama import Llama, LlamaConfig, lm_loss
@@ -212,6 +282,7 @@ def _rank_main(rank: int, cfg: RankCampaignConfig, port: int, out: str) -> None:
     data = SyntheticTokens(TokenStreamConfig(vocab_size=256, seq_len=cfg.seq, batch_size=cfg.batch,
                                              seed=cfg.seed + 100 + rank))  # fmt: skip
     params = dict(model.named_parameters())
+    faults = _RankFaults(guard, params)
 
     def step(batch) -> None:
         loss = guard.run_batch(lambda module, b: lm_loss(module(b[0]), b[1]), batch)
@@ -219,129 +290,72 @@ def _rank_main(rank: int, cfg: RankCampaignConfig, port: int, out: str) -> None:
         loss.backward()
         optimizer.step()
 
-    # the fault of an `allreduce_input` trial: one element of one parameter's local gradient, in the
-    # step's first backward (the training's; a peer replay's backward comes later in the step)
-    armed: dict[str, Any] = {}
-
-    def gradient_fault(name: str):
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            if armed.get("param") != name or armed.get("step") != guard.step_number:
-                return grad
-            armed.pop("param")
-            grad = grad.clone()
-            flip_bit(grad, armed["index"] % grad.numel(), armed["bit"])
-            return grad
-
-        return hook
-
-    for name, p in params.items():
-        p.register_hook(gradient_fault(name))
-    # the size of an `allreduce_result` fault: the element's change over its chunk's rounding bound
-    checks = guard.comm_checks
-    injected_sizes: list[float] = []
-    inject = checks.fault_hook
-
-    def measured_fault(site, step_number, result: torch.Tensor) -> None:
-        before = result.clone()
-        inject(site, step_number, result)
-        changed = (result.double() - before.double()).abs()
-        if bool(changed.gt(0).any()) or not bool(torch.equal(result.isnan(), before.isnan())):
-            changed = changed.nan_to_num(float("inf"))  # a NaN or infinite result: the largest change
-            armed["changed_at"] = (site, int(changed.argmax()), float(changed.max()))
-
-    checks.fault_hook = measured_fault
-    original_record = checks.record
-
-    def recording(site, expected, received, world, dtype, rescan=None, scale=1.0) -> None:
-        original_record(site, expected, received, world, dtype, rescan=rescan, scale=scale)
-        where = armed.pop("changed_at", None)
-        if where is not None and where[0] is site:
-            record = checks.records[-1]
-            bound = float(record.bound[where[1] // record.chunk_size])
-            injected_sizes.append(where[2] / bound if bound > 0 else float("inf"))
-
-    checks.record = recording
     for _ in range(cfg.warmup_steps):
         step(data.batch())
     guard.drain()
     batches = [data.batch() for _ in range(cfg.steps_per_trial)]
     model_state = copy.deepcopy(model.state_dict())
     optimizer_state = copy.deepcopy(optimizer.state_dict())
-    buckets = sorted({s.name for s in guard.registry.extra if s.name.endswith(":allreduce")})
-    names = sorted(n for n, p in params.items() if p.requires_grad)
 
     def run(trial: RankTrial | None) -> dict[str, Any]:
+        """Restore, train the trial's steps (its fault armed on its rank), drain: what every rank saw."""
         model.load_state_dict(model_state)
         optimizer.load_state_dict(copy.deepcopy(optimizer_state))
         first = guard.step_number
-        incidents, n_verdicts, injections = guard.incidents.total, len(verdicts), guard.injector.log.total
-        injected_sizes.clear()
-        if trial is not None and trial.rank == rank:
-            if trial.location == "allreduce_result":
-                guard.injector.set_specs((FaultSpec(site=trial.target, model="bitflip", bit=trial.bit, steps=(first,),
-                                                    seed=trial.seed),))  # fmt: skip
-            else:
-                armed.update(param=trial.target, step=first, bit=trial.bit, index=trial.seed)
+        incidents, n_verdicts = guard.incidents.total, len(verdicts)
+        mine = trial is not None and trial.rank == rank
+        if mine:
+            faults.arm(trial, first)
         for batch in batches:
             step(batch)
         guard.drain()
-        guard.injector.set_specs(())
-        fired = (
-            trial is not None
-            and trial.rank == rank
-            and (
-                guard.injector.log.total > injections if trial.location == "allreduce_result" else "param" not in armed
-            )
-        )
-        armed.clear()
-        found = [(i.site.name, i.step, i.identity.rank) for i in guard.incidents.since(incidents)]
-        mine = {
-            "rank": rank, "fired": fired, "found": found, "sizes": list(injected_sizes),
+        seen = {
+            "fired": faults.disarm(trial) if mine else False, "sizes": list(faults.sizes) if mine else [],
+            "found": [(i.site.name, i.step, i.identity.rank) for i in guard.incidents.since(incidents)],
             "false_alarms": sum(v.kind is VerdictKind.FALSE_ALARM for v in verdicts[n_verdicts:]),
             "params": [p.detach().clone() for p in model.parameters()],
         }  # fmt: skip
         gathered: list[Any] = [None] * cfg.world
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, seen)
         return {"first": first, "ranks": gathered}
 
-    twin = run(None)
-    reference = twin["ranks"]
-    rows, twins, twin_confirmed, twin_false_alarms = [], 1, 0, 0
-
-    def count_twin(result: dict[str, Any]) -> None:
-        nonlocal twin_confirmed, twin_false_alarms
-        twin_confirmed += sum(len(r["found"]) for r in result["ranks"])
-        twin_false_alarms += sum(r["false_alarms"] for r in result["ranks"])
-
-    count_twin(twin)
+    buckets = sorted({s.name for s in guard.registry.extra if s.name.endswith(":allreduce")})
+    names = sorted(n for n, p in params.items() if p.requires_grad)
+    twins = [run(None)]
+    reference = twins[0]["ranks"]
+    rows = []
     for trial in draw_rank_trials(cfg, buckets, names):
         if trial.index and trial.index % cfg.twin_every == 0:
-            count_twin(run(None))
-            twins += 1
-        result = run(trial)
-        ranks = result["ranks"]
-        faulty = ranks[trial.rank]
-        affected = any(not all(bitwise_equal(a, b) for a, b in zip(r["params"], ref["params"], strict=True))
-                       for r, ref in zip(ranks, reference, strict=True))  # fmt: skip
-        expected_site = trial.target if trial.location == "allreduce_result" else ":peer_replay"
-        found = [f for r in ranks for f in r["found"]]
-        named = [f for f in found if f[2] == trial.rank]  # an incident on the faulty rank, by any sensor
-        at_site = [f for f in named if f[0].endswith(expected_site) and f[1] == result["first"]]
-        size = max(faulty["sizes"], default=None)
-        if trial.location == "allreduce_result":
-            inside = bool(affected and size is not None and size > 2.0)
-        else:
-            inside = bool(affected)
-        rows.append({**asdict(trial), "cell": trial.cell, "injected": faulty["fired"], "affected": affected,
-                     "confirmed": bool(found), "localized": bool(named), "by_claimed_sensor": bool(at_site),
-                     "latency_steps": min((f[1] - result["first"] for f in named), default=None),
-                     "wrong_rank_named": any(f[2] != trial.rank for f in found), "inside": inside, "size": size,
-                     "sites": sorted({f"{f[0]} (rank {f[2]})" for f in found})})  # fmt: skip
-    count_twin(run(None))  # and after the last trial
-    twins += 1
+            twins.append(run(None))
+        rows.append(_judged(trial, run(trial), reference))
+    twins.append(run(None))  # and after the last trial
     if rank == 0:
-        torch.save({"claims": claims_of(config), "rows": rows, "twins": twins, "twin_confirmed": twin_confirmed,
-                    "twin_false_alarms": twin_false_alarms}, Path(out) / "rank_campaign.pt")  # fmt: skip
+        record = {"claims": claims_of(config), "rows": rows, "twins": len(twins),
+                  "twin_confirmed": sum(len(r["found"]) for t in twins for r in t["ranks"]),
+                  "twin_false_alarms": sum(r["false_alarms"] for t in twins for r in t["ranks"])}  # fmt: skip
+        torch.save(record, Path(out) / "rank_campaign.pt")
     guard.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _judged(trial: RankTrial, result: dict[str, Any], reference: list[dict[str, Any]]) -> dict[str, Any]:
+    """A trial's row from what every rank saw (see the module docstring for the fields)."""
+    from aegis_sdc.kernels.reference import bitwise_equal
+
+    ranks = result["ranks"]
+    faulty = ranks[trial.rank]
+    affected = any(not all(bitwise_equal(a, b) for a, b in zip(r["params"], ref["params"], strict=True))
+                   for r, ref in zip(ranks, reference, strict=True))  # fmt: skip
+    expected_site = trial.target if trial.location == "allreduce_result" else ":peer_replay"
+    found = [f for r in ranks for f in r["found"]]
+    named = [f for f in found if f[2] == trial.rank]  # an incident on the faulty rank, by any sensor
+    at_site = [f for f in named if f[0].endswith(expected_site) and f[1] == result["first"]]
+    size = max(faulty["sizes"], default=None)
+    # the claims (`claims_of`): the collective check above twice its bound, the peer replay any change
+    inside = bool(affected and (trial.location == "allreduce_input" or (size is not None and size > 2.0)))
+    return {**asdict(trial), "cell": trial.cell, "injected": faulty["fired"], "affected": affected,
+            "confirmed": bool(found), "localized": bool(named), "by_claimed_sensor": bool(at_site),
+            "latency_steps": min((f[1] - result["first"] for f in named), default=None),
+            "wrong_rank_named": any(f[2] != trial.rank for f in found), "inside": inside, "size": size,
+            "sites": sorted({f"{f[0]} (rank {f[2]})" for f in found})}  # fmt: skip
