@@ -194,16 +194,18 @@ def main() -> None:
     print(json.dumps({"sweep_best_batch": min((r for r in sweep if "batch" in r), key=lambda r: r["batch_ms"])}))
     if args.kernels_only:
         return
-    steps = step_rows(args.steps, args.warmup, args.batch)
     summary = {
         "bandwidth_fraction_ge_64mb": min(r["fraction_of_copy"] for r in kernels if r["bytes"] >= 64 * MIB),
         "batch_vs_single": batch["batch_vs_single"],
         "fingerprint_tb_s_1gib": next(r["fingerprint_tb_s"] for r in kernels if r["bytes"] == 1024 * MIB),
         "copy_tb_s_1gib": next(r["copy_tb_s"] for r in kernels if r["bytes"] == 1024 * MIB),
-        **step_summary(steps),
     }
-    rows = {"kernel": kernels, "batch": batch, "launch_sweep": sweep, "training_step": steps}
-    write_result(args.out, environment(args), rows, summary)
+    rows = {"kernel": kernels, "batch": batch, "launch_sweep": sweep}
+    # the kernel rows first: the training-step rows take minutes more, and a run cut short (a device
+    # call's limit) keeps what it measured; the complete record replaces this one
+    write_result(args.out, environment(args), {**rows, "training_step": "not measured (run cut short)"}, summary)
+    steps = step_rows(args.steps, args.warmup, args.batch)
+    write_result(args.out, environment(args), {**rows, "training_step": steps}, {**summary, **step_summary(steps)})
     assert math.isfinite(summary["bandwidth_fraction_ge_64mb"])
 
 

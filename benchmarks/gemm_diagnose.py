@@ -296,6 +296,7 @@ def main() -> None:
                 row[f"{label}_ratio"] = row["cublas_ms"] / row[f"{label}_ms"]
                 row[f"{label}_host_us"] = host_us(fn)
             rows.append(row)
+            write_result(args.out, gpu_environment(), rows)  # so far: a run cut short keeps what it measured
             print(
                 name, kind, {key: round(v, 3) for key, v in row.items() if key.endswith(("_ratio", "_us"))}, flush=True
             )
