@@ -211,8 +211,9 @@ class RecomputeChecker:
 
     def _recomputed(self, segment: _Segment, state, step: int, call: int, function, out) -> None:
         outs = output_tensors(out)
-        if outs:  # fault injection: a flipped bit in the recomputed activation
-            self.injector.flip_tensor_bit(state.site, step, call, outs[0], salt=0xEC)
+        activations = [t for t in outs if t.is_floating_point()]  # (not indices: see SavedTensorChecker._fault_call)
+        if activations:  # fault injection: a flipped bit in the recomputed activation
+            self.injector.flip_tensor_bit(state.site, step, call, activations[0], salt=0xEC)
         second = self.checks.pool.take_many(outs)
         record = FingerprintRecord(state, step, call, segment.first, second, None)  # type: ignore[arg-type]
 
