@@ -154,6 +154,17 @@ def _side_part(x_desc, s_desc, scale_ptr, off, part, parts, k_tiles, ref_ptr, on
 
 
 @triton.jit
+def _slices_of(block, tiles, parts, replay):
+    """The reference-side slices [first, stop) a tile computes: at block `block` of `tiles` along the
+    side's direction, `parts` slices in all, slice p in the tile of block p·⌈tiles / parts⌉ (one tile
+    in ⌈tiles / parts⌉: TritonGemmConfig.side_group); a replay of one tile computes every slice."""
+    group = tl.cdiv(tiles, parts)
+    index = block // group
+    owner = (block % group) == 0
+    return tl.where(replay, 0, index), tl.where(replay, parts, tl.where(owner, index + 1, index))
+
+
+@triton.jit
 def _store_partials(acc, AXIS: tl.constexpr, part_ptr, sq_ptr, offs, mask, diff_total_ptr, sq_total_ptr,
                     EVIDENCE: tl.constexpr):  # fmt: skip
     """A tile's accumulator sums and sums of squares [R] along AXIS (1: of each row, 0: of each
@@ -399,20 +410,14 @@ def checked_gemm_kernel(
         # slice, g times as long: row_parts = ⌈tiles_n / g⌉ slices, slice p in the tile of column block
         # p·⌈tiles_n / row_parts⌉ — fewer slice loops, each paying its first loads' latency once.
         if ROW_SIDE:
-            row_group = tl.cdiv(tiles_n, row_parts)
-            row_slice = pid_n // row_group
-            row_owner = (pid_n % row_group) == 0
-            for part in range(tl.where(replay, 0, row_slice),
-                              tl.where(replay, row_parts, tl.where(row_owner, row_slice + 1, row_slice))):  # fmt: skip
+            first, stop = _slices_of(pid_n, tiles_n, row_parts, replay)
+            for part in range(first, stop):
                 _side_part(a_desc, side_c_desc, c_scale_ptr, off_m, part, row_parts, k_tiles, rowref_ptr, rowones_ptr,
                            row_diff, ones_total, M, True, A_T, True, TOTALS and ROW_CHECK,
                            TOTALS and (BYPRODUCT or SIDE_OUT), UPCAST, BM, BK)  # fmt: skip
         if COL_CHECK:
-            col_group = tl.cdiv(tiles_m, col_parts)
-            col_slice = pid_m // col_group
-            col_owner = (pid_m % col_group) == 0
-            for part in range(tl.where(replay, 0, col_slice),
-                              tl.where(replay, col_parts, tl.where(col_owner, col_slice + 1, col_slice))):  # fmt: skip
+            first, stop = _slices_of(pid_m, tiles_m, col_parts, replay)
+            for part in range(first, stop):
                 _side_part(b_desc, side_u_desc, u_scale_ptr, off_n, part, col_parts, k_tiles, colref_ptr, colref_ptr,
                            col_diff, col_diff, N, False, B_T, False, TOTALS, False, UPCAST, BN, BK)  # fmt: skip
     if EVIDENCE:
