@@ -24,6 +24,9 @@ def test_a_ci_sized_campaign_confirms_every_fault_inside_its_claims():
     result = run_campaign(CampaignConfig(trials=132, twin_every=33))
     summary = result.summary()
     assert summary["trials"] == 132 and {t.trial.location for t in result.trials} == set(LOCATIONS)
+    # every trial's fault fired: no site is drawn where its fault cannot strike (the embedding saves
+    # only token ids, which a `:saved` fault leaves alone)
+    assert all(t.injected for t in result.trials), [t.trial.site for t in result.trials if not t.injected]
     assert summary["missed_inside_coverage"] == 0, [m.to_dict() for m in result.misses_inside()]
     assert summary["false_confirmed"] == 0 and summary["twin_false_alarms"] == 0 and summary["twins_identical"]
     assert summary["clean_twins"] == 5  # before the first trial, every 33, after the last
@@ -35,6 +38,22 @@ def test_a_ci_sized_campaign_confirms_every_fault_inside_its_claims():
         assert not result.claims[location].claimed and not any(t.inside for t in by_location[location])
     assert all(t.confirmed for t in by_location["optimizer_update"])  # any flipped bit of an update
     assert summary["gemm_trials_sized"] == sum(len(by_location[loc]) for loc in CLAIMED[:3])
+
+
+@pytest.mark.gpu
+def test_a_gpu_campaign_strikes_every_location_and_confirms_every_fault_inside_its_claims():
+    # bf16 on the Triton kernels, attention on the checked Triton kernels (`triton_attention`): every
+    # location's fault fires, attention's included (on CUDA they run nowhere else). The full record
+    # is benchmarks/results/campaign_gpu.json.
+    result = run_campaign(CampaignConfig(trials=88, device="cuda", dtype="bfloat16", twin_every=44))
+    summary = result.summary()
+    assert {t.trial.location for t in result.trials} == set(LOCATIONS)
+    assert all(t.injected for t in result.trials), [t.trial.site for t in result.trials if not t.injected]
+    assert summary["missed_inside_coverage"] == 0, [m.to_dict() for m in result.misses_inside()]
+    assert summary["false_confirmed"] == 0 and summary["twin_false_alarms"] == 0 and summary["twins_identical"]
+    assert summary["localized"] >= 0.99
+    attention = [t for t in result.trials if t.trial.location.startswith("attention") and t.affected]
+    assert attention and any(t.confirmed for t in attention)  # the invariants see attention faults on the GPU
 
 
 def test_a_sensor_that_misses_inside_its_claim_fails_the_campaign(monkeypatch):

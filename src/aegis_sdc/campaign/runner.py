@@ -39,7 +39,7 @@ from aegis_sdc.campaign.trials import (
     targets_of,
 )
 from aegis_sdc.events import VerdictKind
-from aegis_sdc.validation import check_choice, check_int, check_text, set_field
+from aegis_sdc.validation import check_bool, check_choice, check_int, check_text, set_field
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class CampaignConfig:
     batch: int = 4
     seq: int = 64
     run_dir: str | None = None
+    # on CUDA, attention on the checked Triton kernels (ops/checked_attention.TRITON_ON_CUDA, for the
+    # campaign's run): without them a GPU's attention runs unchecked and its stages cannot be struck
+    triton_attention: bool = True
 
     def __post_init__(self) -> None:
         for name, least in (("trials", 1), ("warmup_steps", 18), ("steps_per_trial", 2), ("twin_every", 1),
@@ -68,6 +71,7 @@ class CampaignConfig:
             set_field(self, name, check_int, ge=least)
         set_field(self, "seed", check_int)
         set_field(self, "device", check_text)
+        set_field(self, "triton_attention", check_bool)
         set_field(self, "dtype", check_choice, choices=("float32", "bfloat16", "float16"))
         for location in self.locations:
             check_choice("CampaignConfig", "locations", location, choices=LOCATIONS)
@@ -200,6 +204,17 @@ def run_campaign(cfg: CampaignConfig, progress: Callable[[int, int], None] | Non
 
 
 def _run(cfg: CampaignConfig, progress: Callable[[int, int], None] | None) -> CampaignResult:
+    from aegis_sdc.ops import checked_attention
+
+    routed = checked_attention.TRITON_ON_CUDA
+    checked_attention.TRITON_ON_CUDA = cfg.triton_attention
+    try:
+        return _run_routed(cfg, progress)
+    finally:
+        checked_attention.TRITON_ON_CUDA = routed
+
+
+def _run_routed(cfg: CampaignConfig, progress: Callable[[int, int], None] | None) -> CampaignResult:
     import aegis_sdc as aegis
 
     started = time.perf_counter()

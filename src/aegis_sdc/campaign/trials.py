@@ -90,12 +90,15 @@ def targets_of(model: nn.Module, guard) -> Targets:
     named when first seen)."""
     gemm = {loc: tuple(s.site.name for s in guard.registry.gemm if s.site.name.endswith(f":{kind}"))
             for loc, kind in GEMM_LOCATIONS.items()}  # fmt: skip
-    attention = {loc: tuple(f"{m}:{loc.replace('attention', 'attn')}" for m in guard.attention_sensors)
-                 for loc in ATTENTION_STAGES}  # fmt: skip
+    checked = [m for m in guard.attention_sensors if m not in guard.uncovered_attention]  # (unchecked: no fault)
+    attention = {loc: tuple(f"{m}:{loc.replace('attention', 'attn')}" for m in checked) for loc in ATTENTION_STAGES}
     extra = [s.name for s in guard.registry.extra]
     norms = tuple(name for name, m in model.named_modules() if type(m).__name__.endswith("RMSNorm"))
     params = tuple(name for name, p in model.named_parameters() if p.requires_grad)
-    return Targets(gemm, attention, tuple(n for n in extra if n.endswith(":saved")),
+    checker = guard._saved_checker  # saved sites holding an activation: a `:saved` fault skips indices
+    activations = checker.activation_modules if checker is not None else frozenset()
+    saved = tuple(n for n in extra if n.endswith(":saved") and n.removesuffix(":saved") in activations)
+    return Targets(gemm, attention, saved,
                    tuple(n for n in extra if n.endswith(":recompute")), norms, params)  # fmt: skip
 
 

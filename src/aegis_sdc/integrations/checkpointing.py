@@ -401,6 +401,12 @@ class SavedTensorChecker:
         self._float_calls[module] = (self.clock.step, count + 1)
         return count
 
+    @property
+    def activation_modules(self) -> frozenset[str]:
+        """The modules that have saved a floating-point tensor for backward: where a `:saved` fault
+        can strike (the others save only indices, which it leaves alone)."""
+        return frozenset(self._float_calls)
+
     def _unpack(self, packed):
         if not isinstance(packed, _Saved):
             return packed
