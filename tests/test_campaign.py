@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from aegis_sdc.campaign import LOCATIONS, CampaignConfig, Trial, run_campaign
 from aegis_sdc.campaign.coverage import GEMM_MARGIN, Claim, inside
+from aegis_sdc.campaign.trials import ELEMENTWISE_OPS
 from aegis_sdc.faults.injector import Injection
 from aegis_sdc.faults.models import AccumulatorFault
 
@@ -37,6 +38,9 @@ def test_a_ci_sized_campaign_confirms_every_fault_inside_its_claims():
     for location in ("optimizer_state", "weights"):  # one process: no replica votes, nothing claimed
         assert not result.claims[location].claimed and not any(t.inside for t in by_location[location])
     assert all(t.confirmed for t in by_location["optimizer_update"])  # any flipped bit of an update
+    for op in ELEMENTWISE_OPS:  # a norm's output, the activation product, the residual sum: each caught
+        inside_op = [t for t in by_location["elementwise"] if t.trial.stage == op and t.inside]
+        assert inside_op and all(t.confirmed and t.localized for t in inside_op), op
     assert summary["gemm_trials_sized"] == sum(len(by_location[loc]) for loc in CLAIMED[:3])
 
 
