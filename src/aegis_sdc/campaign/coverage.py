@@ -16,7 +16,8 @@ Claims, and why they hold:
   on the steps the saved-tensor check samples.
 - **Recomputed segments** (forward against recomputation): any change in the segment's output, for
   segments found deterministic.
-- **Element-wise ops inside a checkpointed segment** (a norm, through the recompute check): a
+- **Element-wise ops inside a checkpointed segment** (a norm, the activation, the residual add,
+  through the recompute check): a
   corruption that changes the segment's output — and only through that output can a forward value of
   a checkpointed segment reach training, its backward using recomputed values.
 - **The optimizer's update** (the update replay): any change of an updated parameter whose slice is
