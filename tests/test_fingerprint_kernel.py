@@ -80,6 +80,39 @@ def test_a_batch_taken_again_reuses_its_launch_and_rows_stay_consecutive():
     assert late[0].value is None and late[1].value == kfp.fingerprint_reference(tensors[0])
 
 
+def test_the_device_comparison_agrees_with_the_host_values_pair_by_pair():
+    # `differ_on_device` decides the optimizer gate before the read: it must flag a step exactly when
+    # the host, after the read, finds two fingerprints of a pair different. Pairs over two buffers
+    # (3 slots each), the same tensor twice, one word changed by a flipped low bit, by a sign.
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(n, generator=g).to(DEVICE) for n in (4096, 70_001, 17)]
+    pool = FingerprintPool(slots=3, use_triton=True)
+    first = pool.take_many(tensors)
+    changed = [t.clone() for t in tensors]
+    changed[1].view(torch.int32)[12_345] ^= 1  # the lowest mantissa bit of one element
+    changed[2][16] = -changed[2][16]
+    second = pool.take_many(changed)
+    same = pool.take_many(tensors)
+    unreadable = pool.take(tensors[0][::2])  # a strided view: not fingerprinted, never compared
+    cases = {
+        "equal": [(first[0], same[0]), (first[2], same[2])],
+        "one bit": [(first[0], same[0]), (first[1], second[1])],
+        "sign": [(first[2], second[2])],
+        "with an unreadable pair": [(first[0], same[0]), (unreadable, first[0])],
+    }
+    flags = {name: pool.differ_on_device(pairs) for name, pairs in cases.items()}
+    pool.resolve([rows.cpu() for rows in pool.device_buffers()])
+    for name, pairs in cases.items():
+        on_device, flag = flags[name]
+        host = any(a.value != b.value for a, b in pairs if a.value is not None and b.value is not None)
+        assert on_device and bool(flag) == host, name
+    assert [bool(flags[n][1]) for n in cases] == [False, True, True, False]
+    # a value already on the host (the reference path), or nothing comparable: the host judges
+    known = FingerprintPool().take(tensors[2])
+    assert not known.pending and pool.differ_on_device([(known, known)]) == (False, None)
+    assert pool.differ_on_device([(unreadable, unreadable)]) == (False, None)
+
+
 def test_host_tensors_take_the_reference_path_where_triton_does_not_interpret(monkeypatch):
     # On a GPU machine AdamW's `step` count is a host tensor among device ones; Triton cannot launch
     # on it, so the pool must fingerprint it at once (same function, known value, nothing pending).

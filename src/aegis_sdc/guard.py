@@ -883,8 +883,10 @@ class Guard:
             # its bookkeeping.
             self._collected = collected
             return
-        if collected.gate is None or collected.fp_records or collected.alarmed_on_host():
-            # Fingerprint replays and reference-path alarms are judged on the host, before the update.
+        host_judged_fingerprints = bool(collected.fp_records) and not collected.fp_on_device
+        if collected.gate is None or host_judged_fingerprints or collected.alarmed_on_host():
+            # Reference-path alarms, and fingerprint checks the device could not compare (a site in
+            # calibration, values already on the host), are judged on the host, before the update.
             self._conclude(collected, drain=False)
             return
         collected.held_found_inf = self.gate.hold(optimizer, collected.gate)
@@ -955,9 +957,12 @@ class Guard:
             swap.checked.aegis_hooks.pending.clear()
         comm_records = self.comm_checks.take()
         attention, self.attention_records[:] = list(self.attention_records), []
+        fp_records = self.fingerprints.take()
+        differ = self.fingerprints.differ_on_device(fp_records) if gate and fp_records else (False, None)
         collected = step_evidence.collect(
             self.clock.step, records, comm_records, max_ratios(comm_records) if comm_records else None,
-            self.fingerprints.take(), attention, self.fingerprint_pool.device_buffers(), gate=gate,
+            fp_records, attention, self.fingerprint_pool.device_buffers(), gate=gate,
+            fingerprints_differ=differ,
         )  # fmt: skip
         self.device_state.end_step()  # fresh slots and pools: their contents are copied or queued
         return collected

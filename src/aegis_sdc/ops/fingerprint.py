@@ -46,6 +46,7 @@ class FingerprintPool:
         self._used: dict[torch.device, int] = {}
         self._pending: list[Fingerprint] = []
         self._launches: dict[tuple, tuple[kfp.Launch | None, list[bool]]] = {}
+        self._slot_indices: dict[tuple, torch.Tensor] = {}  # (device, slots) → int64 [n] on the device
 
     def _triton(self, t: torch.Tensor) -> bool:
         return t.is_cuda or self.use_triton
@@ -137,6 +138,45 @@ class FingerprintPool:
                 kfp.launch_many(items, buffer)
         return handles
 
+    def differ_on_device(self, pairs: list[tuple[Fingerprint, Fingerprint]]) -> tuple[bool, torch.Tensor | None]:
+        """Whether any pair's two fingerprints differ, decided on the device before the step's read:
+        (True, bool [] on the device); (False, None) when a pair's value is already on the host (the
+        reference path) or no pair can be compared (a tensor that could not be fingerprinted is never
+        compared, as on the host): the host judges those.
+
+        The rows' sub-counters are folded as `kfp.lanes_to_int` folds them (each lane's sum mod 2³²),
+        so the flag is exactly the host's `a.value != b.value` over the same pairs. The slots of a
+        step repeat from step to step: their index tensors are built once (through pinned memory,
+        no sync) and reused."""
+        groups: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list[int], list[int]]] = {}
+        for a, b in pairs:
+            if (a.value is None and not a.pending) or (b.value is None and not b.pending):
+                continue  # not fingerprinted: never compared
+            if not (a.pending and b.pending):
+                return False, None
+            group = groups.setdefault((a.buffer.data_ptr(), b.buffer.data_ptr()), (a.buffer, b.buffer, [], []))
+            group[2].append(a.slot)
+            group[3].append(b.slot)
+        flags = []
+        for first, second, first_slots, second_slots in groups.values():
+            folded_first = _fold(first.index_select(0, self._indices(first.device, first_slots)))
+            folded_second = _fold(second.index_select(0, self._indices(second.device, second_slots)))
+            flags.append((folded_first != folded_second).any())
+        if not flags:
+            return False, None
+        return True, flags[0] if len(flags) == 1 else torch.stack(flags).any()
+
+    def _indices(self, device: torch.device, slots: list[int]) -> torch.Tensor:
+        key = (device, tuple(slots))
+        index = self._slot_indices.get(key)
+        if index is None:
+            host = torch.tensor(slots, dtype=torch.int64)
+            index = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+            if len(self._slot_indices) >= self.CACHED:
+                self._slot_indices.pop(next(iter(self._slot_indices)))
+            self._slot_indices[key] = index
+        return index
+
     def device_buffers(self) -> list[torch.Tensor]:
         """The rows written this step, per buffer, for the step-end transfer (in `resolve`'s order)."""
         out = []
@@ -174,6 +214,11 @@ class FingerprintPool:
         out = torch.zeros(kfp.ROW, dtype=torch.int32, device=t.device)
         kfp.launch_one(words, out)
         return kfp.lanes_to_int(out.cpu())
+
+
+def _fold(rows: torch.Tensor) -> torch.Tensor:
+    """int32 [n, ROW] sub-counters → int64 [n, 2]: each lane's sum mod 2³² (`kfp.lanes_to_int`'s fold)."""
+    return rows.view(rows.shape[0], kfp.SPREAD, 2).to(torch.int64).sum(1) & 0xFFFFFFFF
 
 
 class FingerprintRows:
