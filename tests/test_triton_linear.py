@@ -89,6 +89,20 @@ def test_faults_in_each_gemm_are_confirmed_with_site_step_and_tile(tmp_path):
     assert summary.false_alarms == 0 and summary.not_verifiable == 0
 
 
+def _train_until_raised(model, data, optimizer, weight, steps: int):
+    """Train until a step raises SilentDataCorruptionError: (that step or None, `weight` before its update)."""
+    for step in range(steps):
+        inputs, targets = data.batch()
+        lm_loss(model(inputs), targets).backward()
+        before = weight.detach().clone()
+        try:
+            optimizer.step()
+        except aegis.SilentDataCorruptionError:
+            return step, before
+        optimizer.zero_grad(set_to_none=True)
+    return None, before
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["warn", "raise"])
 def test_the_optimizer_gate_holds_back_an_alarmed_update(tmp_path, monkeypatch, policy):
@@ -96,7 +110,6 @@ def test_the_optimizer_gate_holds_back_an_alarmed_update(tmp_path, monkeypatch, 
     # the CUDA one does, so the gate is allowed here for the test (it is CUDA-only in use, where the
     # read it overlaps is asynchronous).
     import aegis_sdc.guard as guard_module
-    from aegis_sdc.workloads.llama import lm_loss
 
     monkeypatch.setattr(guard_module, "gateable", lambda opt, device: opt._step_supports_amp_scaling)
     model, data, _ = tiny_workload()
@@ -108,17 +121,7 @@ def test_the_optimizer_gate_holds_back_an_alarmed_update(tmp_path, monkeypatch, 
     collect = guard._collect
     monkeypatch.setattr(guard, "_collect", lambda *, gate, **more: gated.append(gate) or collect(gate=gate, **more))
     weight = model.layers[0].mlp.up_proj.weight
-    raised_at = None
-    for step in range(6):
-        inputs, targets = data.batch()
-        lm_loss(model(inputs), targets).backward()
-        before = weight.detach().clone()
-        try:
-            optimizer.step()
-        except aegis.SilentDataCorruptionError:
-            raised_at = step
-            break
-        optimizer.zero_grad(set_to_none=True)
+    raised_at, before = _train_until_raised(model, data, optimizer, weight, steps=6)
     guard.close()
     assert all(gated[:-1]) and not gated[-1]  # every step end gated; close() drains without a gate
     assert [(i.site.name, i.step) for i in guard.incidents] == [("layers.0.mlp.up_proj:fwd", 5)]
@@ -150,17 +153,7 @@ def test_fingerprint_checks_join_the_optimizer_gate_after_calibration(tmp_path, 
     collect = guard._collect
     monkeypatch.setattr(guard, "_collect", lambda **kw: collected.append(collect(**kw)) or collected[-1])
     weight = model.layers[0].mlp.up_proj.weight
-    raised_at = None
-    for step in range(6):
-        inputs, targets = data.batch()
-        lm_loss(model(inputs), targets).backward()
-        before = weight.detach().clone()
-        try:
-            optimizer.step()
-        except aegis.SilentDataCorruptionError:
-            raised_at = step
-            break
-        optimizer.zero_grad(set_to_none=True)
+    raised_at, before = _train_until_raised(model, data, optimizer, weight, steps=6)
     guard.close()
     steps = collected[:-1]  # the last: close()'s drain, without a gate
     assert all(c.fp_records for c in steps)
