@@ -164,7 +164,7 @@ class FingerprintPool:
             flags.append((folded_first != folded_second).any())
         if not flags:
             return False, None
-        return True, flags[0] if len(flags) == 1 else torch.stack(flags).any()
+        return True, flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).any()
 
     def _indices(self, device: torch.device, slots: list[int]) -> torch.Tensor:
         key = (device, tuple(slots))
