@@ -27,8 +27,9 @@
 #                 (results/gluon_pingpong_probe.json)
 #   state-sensors the state sensors' GPU tests, then their cost in the 1.1B step (results/state_sensors.json)
 #   tile-check    the tile-local row check probe (results/gemm_tile_check.json)
-#   study         the paired healthy-vs-suspect study: HF Llama at the 1.1B widths, 2 layers, bf16, deterministic
-#                 kernels, three modes, controls and a bit sweep (benchmarks/study_gpu.py; into docs/study/gpu/)
+#   study [ARGS]  the paired healthy-vs-suspect study: HF Llama at the 1.1B widths, 2 layers, bf16, deterministic
+#                 kernels, three modes, controls and a bit sweep (benchmarks/study_gpu.py ARGS; $out/study.tgz,
+#                 for docs/study/gpu/)
 #   campaign      the fault campaign on the H200 in bf16 (600 trials; results/campaign_gpu.json, plots in $out)
 #   screen        `aegis screen`'s GPU tests, then the healthy and faulty screens of the H200
 #                 (results/screen.json)
@@ -135,8 +136,10 @@ case "${1:-tests-1}" in
     timeout 420 python benchmarks/state_sensors.py --out benchmarks/results/state_sensors.json 2>&1 | grep -v Warn \
       | tee "$out/state_sensors.log" | tail -12
     cp benchmarks/results/state_sensors.json "$out/" 2>/dev/null ;;
-  study)
-    timeout 560 python benchmarks/study_gpu.py --out "$out/study" 2>&1 | grep -v Warn | tee "$out/study.log" | cut -c1-300 | tail -14 ;;
+  study)  # tarred: the device's copy-back leaves out files past a count, and the study writes 11
+    timeout 560 python benchmarks/study_gpu.py --out "$out/study" "${@:2}" 2>&1 | grep -v Warn | tee "$out/study.log" \
+      | cut -c1-300 | tail -14
+    tar czf "$out/study.tgz" -C "$out" study && rm -rf "$out/study" ;;
   campaign)
     timeout 560 python benchmarks/campaign.py --device cuda --trials 600 --plots "$out/campaign" 2>&1 \
       | grep -v Warn | tee "$out/campaign.log" | tail -8
