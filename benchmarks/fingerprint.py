@@ -1,7 +1,8 @@
 """Fingerprint throughput against the copy bandwidth, and the cost of the recompute and saved-tensor
 checks on a training step (GPU), measured in the same run.
 
-    python benchmarks/fingerprint.py [--out benchmarks/results/fingerprint.json]
+    python benchmarks/fingerprint.py [--out benchmarks/results/fingerprint.json] [--steps-only] [--kernels-only]
+                                     [--optimizer fused|foreach]
 
 Kernel rows: bf16 tensors of random values from 1 MiB to 4 GiB; `triton.testing.do_bench` medians of
 the fingerprint (read bytes / time), `torch.sum` (read bytes / time) and a device-to-device copy
@@ -13,7 +14,8 @@ Step rows: the workload at GPU scale (dim 2048, 4 layers, bf16, 4 × 2048 tokens
 must be device-bound for the difference to be measurable) under a guard whose GEMM checks are
 sampled at 0 after calibration, with and without per-block activation checkpointing; fingerprint
 checks off / recompute / recompute + saved tensors (default sampling) / saved tensors at every step.
-CUDA-event medians per step after the warm-up.
+CUDA-event medians per step after the warm-up. AdamW fused by default (its checked steps end without
+waiting for the host: the optimizer gate); `--optimizer foreach` shows the wait other optimizers pay.
 """
 
 from __future__ import annotations
@@ -110,12 +112,15 @@ def sweep_rows() -> list[dict]:
     return rows
 
 
-def step_ms(checkpointing: bool, fingerprints: FingerprintConfig, steps: int, warmup: int, batch: int) -> float:
+def step_ms(checkpointing: bool, fingerprints: FingerprintConfig, steps: int, warmup: int, batch: int,
+            optimizer_kind: str) -> float:  # fmt: skip
     cfg = dataclasses.replace(CFG, activation_checkpointing=checkpointing)
     torch.manual_seed(0)
     model = Llama(cfg).cuda().to(torch.bfloat16)
     data = SyntheticTokens(TokenStreamConfig(vocab_size=cfg.vocab_size, seq_len=2048, batch_size=batch), device="cuda")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # fused: the optimizer gate lets a checked step end without waiting for its evidence; foreach (and
+    # other optimizers without a device-side found_inf) wait for the host before the update
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optimizer_kind: True})
     config = aegis.GuardConfig(run_dir=tempfile.mkdtemp(), sampling=aegis.SamplingConfig(probability=0.0),
                                fingerprints=fingerprints)  # fmt: skip
     guard = aegis.protect(model, optimizer=optimizer, config=config)
@@ -127,7 +132,7 @@ def step_ms(checkpointing: bool, fingerprints: FingerprintConfig, steps: int, wa
     return statistics.median(times)
 
 
-def step_rows(steps: int, warmup: int, batch: int) -> list[dict]:
+def step_rows(steps: int, warmup: int, batch: int, optimizer_kind: str) -> list[dict]:
     """Every variant in three interleaved rounds; the median of the rounds' medians (a variant's step
     time moved between rounds by more than the checks cost when the loop was host-bound)."""
     off = FingerprintConfig(recompute=False, saved_tensors=False)
@@ -139,7 +144,7 @@ def step_rows(steps: int, warmup: int, batch: int) -> list[dict]:
         ("plain+saved", False, FingerprintConfig(recompute=False)),
         ("plain+saved_every_step", False, FingerprintConfig(recompute=False, saved_probability=1.0)),
     ]
-    rounds = [[step_ms(c, f, steps, warmup, batch) for _, c, f in variants] for _ in range(3)]
+    rounds = [[step_ms(c, f, steps, warmup, batch, optimizer_kind) for _, c, f in variants] for _ in range(3)]
     rows = [
         {"variant": name, "step_ms": statistics.median(times), "rounds_ms": list(times)}
         for (name, _, _), *times in zip(variants, *rounds, strict=True)
@@ -161,13 +166,14 @@ def step_summary(steps: list[dict]) -> dict:
 
 def environment(args) -> dict:
     return gpu_environment(
-        step_model=f"Llama dim {CFG.dim}, {CFG.n_layers} layers, {args.batch}×2048 tokens, bf16; GEMM "
-        "sampling 0 after calibration; defaults: saved_probability 0.05 (of steps), saved_min_bytes 64 KiB",
+        step_model=f"Llama dim {CFG.dim}, {CFG.n_layers} layers, {args.batch}×2048 tokens, bf16, AdamW "
+        f"({args.optimizer}); GEMM sampling 0 after calibration; defaults: saved_probability 0.05 (of steps), "
+        "saved_min_bytes 64 KiB",
     )
 
 
 def write_steps_only(args) -> None:
-    steps = step_rows(args.steps, args.warmup, args.batch)
+    steps = step_rows(args.steps, args.warmup, args.batch, args.optimizer)
     write_result(args.out.with_name(args.out.stem + "_step.json"), environment(args), {"training_step": steps},
                  step_summary(steps))  # fmt: skip
 
@@ -180,6 +186,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences of 2048 tokens per step")
     parser.add_argument("--kernels-only", action="store_true", help="kernel rows and sweeps only, no JSON")
     parser.add_argument("--steps-only", action="store_true", help="only the training-step rows (their own JSON)")
+    parser.add_argument(
+        "--optimizer",
+        default="fused",
+        choices=["fused", "foreach"],
+        help="the step's AdamW: fused (the optimizer gate) or foreach (waits for the host)",
+    )
     args = parser.parse_args()
     if args.steps_only:
         write_steps_only(args)
@@ -204,7 +216,7 @@ def main() -> None:
     # the kernel rows first: the training-step rows take minutes more, and a run cut short (a device
     # call's limit) keeps what it measured; the complete record replaces this one
     write_result(args.out, environment(args), {**rows, "training_step": "not measured (run cut short)"}, summary)
-    steps = step_rows(args.steps, args.warmup, args.batch)
+    steps = step_rows(args.steps, args.warmup, args.batch, args.optimizer)
     write_result(args.out, environment(args), {**rows, "training_step": steps}, {**summary, **step_summary(steps)})
     assert math.isfinite(summary["bandwidth_fraction_ge_64mb"])
 

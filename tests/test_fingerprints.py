@@ -120,7 +120,7 @@ def test_clean_checkpointed_training_on_the_gpu_confirms_nothing(tmp_path):
         torch.manual_seed(0)
         model = Llama(cfg).cuda().to(torch.bfloat16)
         _, data, _ = small_workload(cfg=cfg, batch=8, seq=128)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # fingerprints in the gate
         config = guard_config(path, sampling=aegis.SamplingConfig(probability=0.5),
                               fingerprints=aegis.FingerprintConfig(saved_probability=1.0))  # fmt: skip
         guard = aegis.protect(model, optimizer=optimizer, config=config)
