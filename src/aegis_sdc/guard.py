@@ -958,7 +958,7 @@ class Guard:
         comm_records = self.comm_checks.take()
         attention, self.attention_records[:] = list(self.attention_records), []
         fp_records = self.fingerprints.take()
-        differ = self.fingerprints.differ_on_device(fp_records) if gate and fp_records else (False, None)
+        differ = self.fingerprints.differ_on_device(fp_records) if gate and fp_records else None
         collected = step_evidence.collect(
             self.clock.step, records, comm_records, max_ratios(comm_records) if comm_records else None,
             fp_records, attention, self.fingerprint_pool.device_buffers(), gate=gate,

@@ -266,6 +266,12 @@ def fingerprint_reference(t: torch.Tensor, function: int = FUNCTION) -> int:
     return (y << 32) | x
 
 
+def fold_rows(rows: torch.Tensor) -> torch.Tensor:
+    """`lanes_to_int`'s fold on the device: int32 [n, ROW] sub-counters → int64 [n, 2], each lane's
+    sum mod 2³² (x, y)."""
+    return rows.view(rows.shape[0], SPREAD, 2).to(torch.int64).sum(1) & MASK32
+
+
 def lanes_to_int(row) -> int:
     """A fingerprint's int32 [SPREAD, 2] sub-counters (any sequence of 2·k values, x and y
     interleaved) as read back from the device → the unsigned 64-bit fingerprint."""

@@ -138,14 +138,14 @@ class FingerprintPool:
                 kfp.launch_many(items, buffer)
         return handles
 
-    def differ_on_device(self, pairs: list[tuple[Fingerprint, Fingerprint]]) -> tuple[bool, torch.Tensor | None]:
+    def differ_on_device(self, pairs: list[tuple[Fingerprint, Fingerprint]]) -> torch.Tensor | None:
         """Whether any pair's two fingerprints differ, decided on the device before the step's read:
-        (True, bool [] on the device); (False, None) when a pair's value is already on the host (the
-        reference path) or no pair can be compared (a tensor that could not be fingerprinted is never
-        compared, as on the host): the host judges those.
+        bool [] on the device; None when a pair's value is already on the host (the reference path)
+        or no pair can be compared (a tensor that could not be fingerprinted is never compared, as on
+        the host): the host judges those.
 
-        The rows' sub-counters are folded as `kfp.lanes_to_int` folds them (each lane's sum mod 2³²),
-        so the flag is exactly the host's `a.value != b.value` over the same pairs. The slots of a
+        The rows' sub-counters are folded as `kfp.lanes_to_int` folds them (`kfp.fold_rows`), so the
+        flag is exactly the host's `a.value != b.value` over the same pairs. The slots of a
         step repeat from step to step: their index tensors are built once (through pinned memory,
         no sync) and reused."""
         groups: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list[int], list[int]]] = {}
@@ -153,18 +153,18 @@ class FingerprintPool:
             if (a.value is None and not a.pending) or (b.value is None and not b.pending):
                 continue  # not fingerprinted: never compared
             if not (a.pending and b.pending):
-                return False, None
+                return None
             group = groups.setdefault((a.buffer.data_ptr(), b.buffer.data_ptr()), (a.buffer, b.buffer, [], []))
             group[2].append(a.slot)
             group[3].append(b.slot)
         flags = []
         for first, second, first_slots, second_slots in groups.values():
-            folded_first = _fold(first.index_select(0, self._indices(first.device, first_slots)))
-            folded_second = _fold(second.index_select(0, self._indices(second.device, second_slots)))
+            folded_first = kfp.fold_rows(first.index_select(0, self._indices(first.device, first_slots)))
+            folded_second = kfp.fold_rows(second.index_select(0, self._indices(second.device, second_slots)))
             flags.append((folded_first != folded_second).any())
         if not flags:
-            return False, None
-        return True, flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).any()
+            return None
+        return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).any()
 
     def _indices(self, device: torch.device, slots: list[int]) -> torch.Tensor:
         key = (device, tuple(slots))
@@ -214,11 +214,6 @@ class FingerprintPool:
         out = torch.zeros(kfp.ROW, dtype=torch.int32, device=t.device)
         kfp.launch_one(words, out)
         return kfp.lanes_to_int(out.cpu())
-
-
-def _fold(rows: torch.Tensor) -> torch.Tensor:
-    """int32 [n, ROW] sub-counters → int64 [n, 2]: each lane's sum mod 2³² (`kfp.lanes_to_int`'s fold)."""
-    return rows.view(rows.shape[0], kfp.SPREAD, 2).to(torch.int64).sum(1) & 0xFFFFFFFF
 
 
 class FingerprintRows:

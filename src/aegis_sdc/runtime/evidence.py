@@ -54,11 +54,11 @@ class Collected:
 def collect(
     step: int, records: list[CallRecord], comm_records: list, comm_ratios: torch.Tensor | None, fp_records: list,
     attention: list[AttentionRecord], fingerprint_rows: list[torch.Tensor], *, gate: bool,
-    fingerprints_differ: tuple[bool, torch.Tensor | None] = (False, None),
+    fingerprints_differ: torch.Tensor | None = None,
 ) -> Collected:  # fmt: skip
     """Start the step's read (see the module docstring); with `gate`, the device-side alarm flag.
-    `fingerprints_differ`: (whether the fingerprint checks were compared on the device, the flag:
-    `FingerprintPool.differ_on_device`) — then they join the gate."""
+    `fingerprints_differ`: the fingerprint checks compared on the device (`FingerprintPool.differ_on_device`;
+    None: the host judges them) — they join the gate."""
     collected = Collected(step, records, comm_records, fp_records, attention)
     collected.reference = tuple(i for i, r in enumerate(records) if r.raw is None)
     collected.triton = tuple(i for i, r in enumerate(records) if r.raw is not None)
@@ -73,10 +73,9 @@ def collect(
     if collected.deferred_attention:  # [Σ (checks + 1)] float64: per call its maxima and suspect head
         wanted.append(torch.cat([r.pending.packed for r in collected.deferred_attention]))
         alarm_flags.append(torch.stack([r.pending.alarm for r in collected.deferred_attention]).any())
-    on_device, differ = fingerprints_differ
-    if gate and fp_records and on_device and differ is not None:
+    if gate and fp_records and fingerprints_differ is not None:
         collected.fp_on_device = True
-        alarm_flags.append(differ)
+        alarm_flags.append(fingerprints_differ)
     if gate and alarm_flags:
         alarmed = torch.stack(alarm_flags).any()
         if comm_ratios is not None:

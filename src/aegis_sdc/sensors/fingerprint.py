@@ -179,13 +179,13 @@ class FingerprintChecks:
         records, self.records = self.records, []
         return records
 
-    def differ_on_device(self, records: list[FingerprintRecord]) -> tuple[bool, torch.Tensor | None]:
+    def differ_on_device(self, records: list[FingerprintRecord]) -> torch.Tensor | None:
         """The records' comparison on the device, for the optimizer gate (`FingerprintPool.differ_on_device`):
         exactly the pairs `judge` compares, so the flag is set if and only if `judge` finds a mismatch.
         Not while a recompute site calibrates: its third execution runs the segment again with the
         weights the update would change, so those records are judged on the host before the update."""
         if any(r.state.calibration_left > 0 for r in records):
-            return False, None
+            return None
         pairs = [(a, b) for r in records if r.state.not_deterministic is None
                  for a, b in zip(r.first, r.second, strict=True)]  # fmt: skip
         return self.pool.differ_on_device(pairs)
