@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import code_version
 
 from aegis_sdc.campaign import CampaignConfig, run_campaign
 from aegis_sdc.campaign import report as campaign_report
@@ -60,7 +61,8 @@ def main() -> None:
     env = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", *sys.argv]),
+        "code": code_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(["python", *sys.argv]),
     }  # fmt: skip
     doc = campaign_report.write(result, out, env)
     if args.plots is not None:
@@ -76,7 +78,7 @@ def ranks(args: argparse.Namespace) -> None:
 
     out = args.out or RESULTS / "campaign_ranks_cpu.json"
     result = run_rank_campaign(RankCampaignConfig(trials=args.trials, world=args.ranks, seed=args.seed))
-    env = {"device": f"cpu (gloo, {args.ranks} processes)", "torch": torch.__version__,
+    env = {"device": f"cpu (gloo, {args.ranks} processes)", "torch": torch.__version__, "code": code_version(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", *sys.argv])}  # fmt: skip
     campaign_report.write(result, out, env)
     for cell, counts in sorted(result.cells().items()):

@@ -5,6 +5,7 @@ Imported as `common` (benchmarks/ is the script's directory)."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -56,13 +57,27 @@ def host_us(fn: Callable[[], Any], n: int = 200) -> float:
     return elapsed / n * 1e6
 
 
+def code_version() -> str:
+    """The commit a result measured (`git rev-parse --short HEAD`, `+changes` over a dirty tree), or "unknown"."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
 def gpu_environment(**extra: Any) -> dict[str, Any]:
-    """The `env` of a result: the GPU, library versions, the date and the exact command, plus `extra`."""
+    """The `env` of a result: the GPU, library versions, the code, the date and the exact command, plus `extra`."""
     return {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
+        "code": code_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(["python", *sys.argv]),
         **extra,

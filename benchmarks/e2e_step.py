@@ -13,22 +13,28 @@ forward, backward and optimizer step (synchronized each step), and the host's ow
 step — a step whose host time exceeds its GPU time is host-bound.
 
     python benchmarks/e2e_step.py [--workloads hf,own] [--modes eager,compiled] [--rounds 5] [--steps 6]
-                                  [--triton-attention] [--profile DIR] [--resume]
+                                  [--triton-attention] [--stall-probe] [--profile DIR] [--resume]
                                   [--out benchmarks/results/e2e_step.json]
 
 `--triton-attention` routes protected attention to the checked Triton kernels
 (ops/checked_attention.TRITON_ON_CUDA; each row's summary then carries the checked share of the
-attention FLOPs, `attention_checked_flops_fraction`).
+attention FLOPs, `attention_checked_flops_fraction`). `--stall-probe` samples the training thread's
+Python stack every 5 ms during the timed steps; a step whose host time exceeds 1.5 × its config's
+median keeps the stacks seen most often in it (`stalls` in its row): where a slow step's time went.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import statistics
+import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +62,37 @@ CONFIGS: dict[str, aegis.SamplingConfig | None] = {
 }
 
 
+class StallProbe:
+    """Where the host spends a step that takes far longer than its config's others: a thread samples
+    the training thread's Python stack every `interval` seconds while a step runs (sys._current_frames:
+    no tracing, nothing in the step's own path), and a step whose host time exceeds `factor` × the
+    config's median keeps its most frequent frames (`stalls` in the row)."""
+
+    def __init__(self, interval: float = 0.005, factor: float = 1.5) -> None:
+        self.interval, self.factor = interval, factor
+        self.target = threading.get_ident()
+        self.samples: collections.Counter[str] = collections.Counter()
+        self.running = threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            self.running.wait()
+            frame = sys._current_frames().get(self.target)
+            if frame is not None:
+                stack = traceback.extract_stack(frame)[-6:]
+                self.samples[" < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack))] += 1
+            time.sleep(self.interval)
+
+    def start(self) -> None:
+        self.samples.clear()
+        self.running.set()
+
+    def stop(self) -> collections.Counter[str]:
+        self.running.clear()
+        return collections.Counter(self.samples)
+
+
 @dataclasses.dataclass
 class Runner:
     """One config's model, optimizer and guard, and its timings."""
@@ -69,10 +106,14 @@ class Runner:
     host_ms: list[float] = dataclasses.field(default_factory=list)
     checked_fraction: list[float] = dataclasses.field(default_factory=list)
     first_plan_s: float | None = None  # the warm-up step in which a budget made its first plan
+    probe: StallProbe | None = None
+    stack_samples: list[collections.Counter[str]] = dataclasses.field(default_factory=list)
 
     def step(self, batch: torch.Tensor, record: bool) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         waited = self.guard.host_wait_ms if self.guard is not None else 0.0
+        if record and self.probe is not None:
+            self.probe.start()
         host0 = time.perf_counter()
         start.record()
         self.step_fn(self.model, batch)
@@ -82,6 +123,8 @@ class Runner:
         # the host's own work: its time to enqueue the step, less the time it waited for the device
         host = (time.perf_counter() - host0) * 1000.0 - ((self.guard.host_wait_ms - waited) if self.guard else 0.0)
         torch.cuda.synchronize()
+        if record and self.probe is not None:
+            self.stack_samples.append(self.probe.stop())
         if record:
             self.gpu_ms.append(start.elapsed_time(end))
             self.host_ms.append(host)
@@ -135,6 +178,10 @@ def run_workload(workload: str, args: argparse.Namespace, compiled: bool) -> dic
     gen = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, vocab, (BATCH, SEQ), device="cuda", generator=gen) for _ in range(8)]
     runners = [make_runner(label, workload, compiled) for label in args.configs]
+    if args.stall_probe:
+        probe = StallProbe()
+        for runner in runners:
+            runner.probe = probe
     for runner in runners:  # calibration (and compilation) before anything is timed
         started = time.perf_counter()
         for i in range(CALIBRATION_STEPS):
@@ -180,6 +227,7 @@ def run_workload(workload: str, args: argparse.Namespace, compiled: bool) -> dic
             else [],
             "gpu_ms_mean": statistics.mean(runner.gpu_ms),
             "first_plan_s": runner.first_plan_s,
+            "stalls": stalls(runner),
         }
         row = rows[runner.label]
         print(f"{workload}{' compiled' if compiled else ''} {runner.label:12s} gpu {row['gpu_ms_median']:8.2f} ms"
@@ -187,6 +235,19 @@ def run_workload(workload: str, args: argparse.Namespace, compiled: bool) -> dic
     del runners
     torch.cuda.empty_cache()
     return rows
+
+
+def stalls(runner: Runner) -> list[dict[str, Any]]:
+    """The recorded steps whose host time exceeds the probe's factor × the median: index, times and
+    the five stacks the probe saw most often in them (count × interval ≈ seconds there)."""
+    if runner.probe is None or not runner.host_ms:
+        return []
+    limit = runner.probe.factor * statistics.median(runner.host_ms)
+    return [
+        {"step": i, "gpu_ms": runner.gpu_ms[i], "host_ms": host,
+         "stacks": runner.stack_samples[i].most_common(5) if i < len(runner.stack_samples) else []}
+        for i, host in enumerate(runner.host_ms) if host > limit
+    ]  # fmt: skip
 
 
 def profile(workload: str, runners: list[Runner], batch: torch.Tensor, out: Path) -> None:
@@ -233,6 +294,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="keep the workloads already in --out")
     parser.add_argument("--profile", type=Path, default=None, help="write a torch.profiler summary here")
     parser.add_argument("--triton-attention", action="store_true", help="check attention on the Triton kernels")
+    parser.add_argument("--stall-probe", action="store_true", help="where slow steps' host time went (`stalls`)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "e2e_step.json")
     args = parser.parse_args()
     if args.triton_attention:
