@@ -18,9 +18,10 @@ step — a step whose host time exceeds its GPU time is host-bound.
 
 `--triton-attention` routes protected attention to the checked Triton kernels
 (ops/checked_attention.TRITON_ON_CUDA; each row's summary then carries the checked share of the
-attention FLOPs, `attention_checked_flops_fraction`). `--stall-probe` samples the training thread's
-Python stack every 5 ms during the timed steps; a step whose host time exceeds 1.5 × its config's
-median keeps the stacks seen most often in it (`stalls` in its row): where a slow step's time went.
+attention FLOPs, `attention_checked_flops_fraction`). `--stall-probe` samples every thread's Python
+stack every 5 ms during the timed steps; a step whose host time exceeds 1.5 × its config's
+median keeps the stacks seen most often in it (`stalls` in its row, with the caching allocator's
+retries in that step): where a slow step's time went.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ CONFIGS: dict[str, aegis.SamplingConfig | None] = {
 
 class StallProbe:
     """Where the host spends a step that takes far longer than its config's others: a thread samples
-    the training thread's Python stack every `interval` seconds while a step runs (sys._current_frames:
+    every thread's Python stack every `interval` seconds while a step runs (sys._current_frames:
     no tracing, nothing in the step's own path), and a step whose host time exceeds `factor` × the
     config's median keeps its most frequent frames (`stalls` in the row)."""
 
@@ -76,12 +77,17 @@ class StallProbe:
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
+        me = threading.get_ident()
         while True:
             self.running.wait()
-            frame = sys._current_frames().get(self.target)
-            if frame is not None:
+            # every thread but this one: autograd runs the backward's Python (our ops' backward) on a
+            # thread of its own while the training thread waits in the engine
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
                 stack = traceback.extract_stack(frame)[-6:]
-                self.samples[" < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack))] += 1
+                where = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack))
+                self.samples[("main: " if ident == self.target else "other: ") + where] += 1
             time.sleep(self.interval)
 
     def start(self) -> None:
@@ -108,12 +114,14 @@ class Runner:
     first_plan_s: float | None = None  # the warm-up step in which a budget made its first plan
     probe: StallProbe | None = None
     stack_samples: list[collections.Counter[str]] = dataclasses.field(default_factory=list)
+    alloc_retries: list[int] = dataclasses.field(default_factory=list)  # the caching allocator's, per step
 
     def step(self, batch: torch.Tensor, record: bool) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         waited = self.guard.host_wait_ms if self.guard is not None else 0.0
         if record and self.probe is not None:
             self.probe.start()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if record else 0
         host0 = time.perf_counter()
         start.record()
         self.step_fn(self.model, batch)
@@ -125,6 +133,9 @@ class Runner:
         torch.cuda.synchronize()
         if record and self.probe is not None:
             self.stack_samples.append(self.probe.stop())
+        if record:
+            # a retry frees every cached block and synchronizes: hundreds of ms, the model's or not
+            self.alloc_retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries)
         if record:
             self.gpu_ms.append(start.elapsed_time(end))
             self.host_ms.append(host)
@@ -228,6 +239,7 @@ def run_workload(workload: str, args: argparse.Namespace, compiled: bool) -> dic
             "gpu_ms_mean": statistics.mean(runner.gpu_ms),
             "first_plan_s": runner.first_plan_s,
             "stalls": stalls(runner),
+            "alloc_retries": sum(runner.alloc_retries),
         }
         row = rows[runner.label]
         print(f"{workload}{' compiled' if compiled else ''} {runner.label:12s} gpu {row['gpu_ms_median']:8.2f} ms"
@@ -245,6 +257,7 @@ def stalls(runner: Runner) -> list[dict[str, Any]]:
     limit = runner.probe.factor * statistics.median(runner.host_ms)
     return [
         {"step": i, "gpu_ms": runner.gpu_ms[i], "host_ms": host,
+         "alloc_retries": runner.alloc_retries[i] if i < len(runner.alloc_retries) else None,
          "stacks": runner.stack_samples[i].most_common(5) if i < len(runner.stack_samples) else []}
         for i, host in enumerate(runner.host_ms) if host > limit
     ]  # fmt: skip
