@@ -136,7 +136,6 @@ class Runner:
         if record:
             # a retry frees every cached block and synchronizes: hundreds of ms, the model's or not
             self.alloc_retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries)
-        if record:
             self.gpu_ms.append(start.elapsed_time(end))
             self.host_ms.append(host)
             if self.guard is not None:
