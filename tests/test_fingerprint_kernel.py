@@ -241,3 +241,27 @@ def test_paired_flips_on_crafted_pairs_collide_at_the_rate_of_random_lanes():
 def test_a_function_that_is_not_known_is_refused():
     with pytest.raises(ValueError, match="fingerprint function 3"):
         kfp.fingerprint_reference(torch.ones(4), function=3)
+
+
+def _compiled_variants() -> int:
+    return sum(len(cache[0]) for kernel in (kfp._fingerprint_one_kernel, kfp._fingerprint_many_kernel)
+               for cache in kernel.device_caches.values())  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_after_the_warm_up_no_tensor_compiles_a_new_kernel_variant():
+    # Saved tensors come in every size, offset and tail: none of them may compile a variant inside a
+    # training step (a compile there took a sampled step hundreds of milliseconds).
+    device = torch.device("cuda")
+    kfp.warm_up(device)
+    before = _compiled_variants()
+    base = torch.randn(1 << 23, device=device)  # 32 MiB: every launch shape, by size
+    tensors = [base[:1], base[:17], base[1:4097], base[3 : 3 + (1 << 21)], base, base.half()[1:7],
+               base.bfloat16()[:12345], base.view(torch.uint8)[5:1000], base[: (1 << 22) + 5]]  # fmt: skip
+    for t in tensors:
+        assert kernel_value(t) == kfp.fingerprint_reference(t)
+    pool = FingerprintPool()
+    pool.take_many(tensors)
+    pool.take_many(tensors[:1] + tensors[2:4])
+    torch.cuda.synchronize()
+    assert _compiled_variants() == before

@@ -121,7 +121,12 @@ def _lanes(words_ptr, start, stop, n_words, last_mask, BLOCK: tl.constexpr, STAG
     return tl.sum(lane_x, axis=0), tl.sum(lane_y, axis=0)
 
 
-@triton.jit
+# Triton compiles a variant per value class of each integer argument (1, a multiple of 16, other)
+# unless told not to: saved tensors of every size would compile new variants inside training steps,
+# hundreds of milliseconds each. The word count and the last word's mask are runtime values; a
+# program's share stays specialized (always a multiple of BLOCK: it keeps the loads vectorized), and
+# so does the words' alignment (16 bytes or 4): `warm_up` compiles both.
+@triton.jit(do_not_specialize=["n_words", "last_mask"])
 def _fingerprint_one_kernel(
     words_ptr, out_ptr, n_words, last_mask, per_program,
     BLOCK: tl.constexpr, SPREAD: tl.constexpr, STAGES: tl.constexpr,
@@ -137,7 +142,7 @@ def _fingerprint_one_kernel(
     tl.atomic_add(counter + 1, lane_y.to(tl.int32, bitcast=True))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items"])
 def _fingerprint_many_kernel(
     table_ptr,  # int64 [n_tensors, 5]: (word address, word count, out slot, last-word mask, first item)
     item_tensor_ptr,  # int32 [n_items]: the tensor of each work item
@@ -289,17 +294,41 @@ def signed64(value: int) -> int:
 # -- launches ---------------------------------------------------------------------------------------
 
 
-def launch_one(words: Words, out: torch.Tensor) -> None:
-    """Add the lanes of one tensor's words into out (int32 [SPREAD · 2], a row of a zeroed pool)."""
+def launch_one(words: Words, out: torch.Tensor, shape: tuple[int, int, int, int] | None = None) -> None:
+    """Add the lanes of one tensor's words into out (int32 [SPREAD · 2], a row of a zeroed pool);
+    `shape` (block, programs, warps, stages) overrides the one chosen by size."""
     n = words.n_words
-    block, programs, warps, stages = launch_shape(n)
+    block, programs, warps, stages = shape or launch_shape(n)
     programs = min(programs, ceil_div(n, block))
     per_program = ceil_div(ceil_div(n, programs), block) * block
     programs = ceil_div(n, per_program)
+    # the mask as a signed 32-bit value, the same bits: one argument type (a full mask would be u32,
+    # a partial one i32 — a variant each)
+    mask = words.last_mask - (1 << 32) if words.last_mask >= 1 << 31 else words.last_mask
     _fingerprint_one_kernel[(programs,)](
-        words.base, out, n, words.last_mask, per_program, BLOCK=block, SPREAD=SPREAD, STAGES=stages,
-        num_warps=warps,
+        words.base, out, n, mask, per_program, BLOCK=block, SPREAD=SPREAD, STAGES=stages, num_warps=warps,
     )  # fmt: skip
+
+
+_WARM: set[torch.device] = set()
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile, once per process and device, every kernel variant fingerprints launch: the one-tensor
+    kernel in each of its launch shapes, on words that start on a 16-byte boundary and on words that
+    do not, and the batched kernel — by launching them on a scratch tensor, before the first step
+    that takes fingerprints needs them (a compile inside a sampled saved-tensor step made that step
+    hundreds of milliseconds slower). A no-op off CUDA and while a CUDA graph is being captured."""
+    if device.type != "cuda" or device in _WARM or torch.cuda.is_current_stream_capturing():
+        return
+    _WARM.add(device)
+    words = torch.zeros(4 * 1024 + 4, dtype=torch.int32, device=device)
+    out = torch.zeros(3, ROW, dtype=torch.int32, device=device)
+    aligned, offset = Words(words[:4096], 4096, MASK32), Words(words[1:4097], 4096, MASK32)
+    for shape in dict.fromkeys(tuple(s[1:]) for s in SHAPES):
+        for w in (aligned, offset):
+            launch_one(w, out[0], shape)
+    launch_many([(aligned, 1), (offset, 2)], out)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,10 @@ class FingerprintPool:
     def _rows(self, device: torch.device, n: int) -> tuple[torch.Tensor, int]:
         """n consecutive rows of one buffer (a new buffer when the current one has fewer left; the
         rows skipped stay zero and are never read): (buffer, first row)."""
-        buffers = self._buffers.setdefault(device, [])
+        buffers = self._buffers.get(device)
+        if buffers is None:  # the device's first fingerprint: every kernel variant compiled now
+            kfp.warm_up(device)
+            buffers = self._buffers[device] = []
         used = self._used.get(device, 0)
         if used % self.slots + n > self.slots:
             used = -(-used // self.slots) * self.slots
