@@ -21,7 +21,8 @@ step — a step whose host time exceeds its GPU time is host-bound.
 attention FLOPs, `attention_checked_flops_fraction`). `--stall-probe` samples every thread's Python
 stack every 5 ms during the timed steps; a step whose host time exceeds 1.5 × its config's
 median keeps the stacks seen most often in it (`stalls` in its row, with the caching allocator's
-retries in that step): where a slow step's time went.
+retries in that step): where a slow step's time went. A diagnostic, not for the record: the sampler
+takes the GIL every 5 ms, which a host-bound config feels.
 """
 
 from __future__ import annotations
