@@ -319,16 +319,20 @@ def warm_up(device: torch.device) -> None:
     do not, and the batched kernel — by launching them on a scratch tensor, before the first step
     that takes fingerprints needs them (a compile inside a sampled saved-tensor step made that step
     hundreds of milliseconds slower). A no-op off CUDA and while a CUDA graph is being captured."""
-    if device.type != "cuda" or device in _WARM or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda":
+        return
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device in _WARM or torch.cuda.is_current_stream_capturing():
         return
     _WARM.add(device)
-    words = torch.zeros(4 * 1024 + 4, dtype=torch.int32, device=device)
-    out = torch.zeros(3, ROW, dtype=torch.int32, device=device)
-    aligned, offset = Words(words[:4096], 4096, MASK32), Words(words[1:4097], 4096, MASK32)
-    for shape in dict.fromkeys(tuple(s[1:]) for s in SHAPES):
-        for w in (aligned, offset):
-            launch_one(w, out[0], shape)
-    launch_many([(aligned, 1), (offset, 2)], out)
+    with torch.cuda.device(device):  # Triton launches on the current device
+        words = torch.zeros(4 * 1024 + 4, dtype=torch.int32, device=device)
+        out = torch.zeros(3, ROW, dtype=torch.int32, device=device)
+        aligned, offset = Words(words[:4096], 4096, MASK32), Words(words[1:4097], 4096, MASK32)
+        for shape in dict.fromkeys(tuple(s[1:]) for s in SHAPES):
+            for w in (aligned, offset):
+                launch_one(w, out[0], shape)
+        launch_many([(aligned, 1), (offset, 2)], out)
 
 
 @dataclass(frozen=True)
