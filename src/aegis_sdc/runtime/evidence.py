@@ -73,7 +73,7 @@ def collect(
     if collected.deferred_attention:  # [Σ (checks + 1)] float64: per call its maxima and suspect head
         wanted.append(torch.cat([r.pending.packed for r in collected.deferred_attention]))
         alarm_flags.append(torch.stack([r.pending.alarm for r in collected.deferred_attention]).any())
-    if gate and fp_records and fingerprints_differ is not None:
+    if fingerprints_differ is not None:  # given only with the gate and fingerprint records
         collected.fp_on_device = True
         alarm_flags.append(fingerprints_differ)
     if gate and alarm_flags:
