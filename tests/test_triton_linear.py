@@ -22,7 +22,7 @@ TINY = LlamaConfig(vocab_size=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, h
 def config(tmp_path, **kwargs) -> aegis.GuardConfig:
     return aegis.GuardConfig(
         run_dir=str(tmp_path / "run"),
-        backend="triton",
+        backend=kwargs.pop("backend", "triton"),
         thresholds=aegis.ThresholdConfig(calibration_checks=4),  # short calibration: interpreted steps are slow
         sampling=kwargs.pop("sampling", aegis.SamplingConfig.every_call()),  # on a GPU too
         **kwargs,
@@ -58,6 +58,35 @@ def test_triton_and_reference_backends_compute_the_same_linear(tmp_path):
         assert torch.allclose(ours, ref, rtol=tol, atol=tol * float(ref.abs().max()))
 
 
+def test_a_token_count_that_makes_unaligned_rows_is_checked_on_the_triton_path(tmp_path, monkeypatch):
+    # 37 tokens: a column of X (the wgrad's reduction) is 74 bytes, no multiple of 16 — TMA needs
+    # none, since no output has rows of M elements. All three GEMMs must run the kernel.
+    from aegis_sdc.ops import triton_linear
+
+    launches = []
+    run = triton_linear.run
+    monkeypatch.setattr(triton_linear, "run", lambda *a, **k: launches.append(a[0].site.name) or run(*a, **k))
+    torch.manual_seed(2)
+    base = nn.Sequential(nn.Linear(64, 96)).to(device=DEVICE, dtype=torch.float16)
+    x = torch.randn(37, 64, device=DEVICE, dtype=torch.float16)
+    results = {}
+    for backend in ("reference", "triton"):
+        model = copy.deepcopy(base)
+        guard = aegis.protect(model, config=config(tmp_path / backend, backend=backend))
+        xi = x.clone().requires_grad_()
+        y = model(xi)
+        y.backward(torch.ones_like(y))
+        guard.step()
+        summary = guard.close()
+        assert summary.checks == 3 and summary.alarms == 0 and not summary.coverage["not_covered"]
+        results[backend] = (y.detach(), xi.grad, model[0].weight.grad)
+    assert sorted(launches) == ["0:dgrad", "0:fwd", "0:wgrad"]
+    for ours, ref in zip(results["triton"], results["reference"], strict=True):
+        # fp16 results of fp32 accumulations in two orders: they differ by the last rounding, one
+        # fp16 ulp (2⁻¹⁰ relative) of the larger values, and by far less than that in the sums.
+        torch.testing.assert_close(ours, ref, rtol=2**-9, atol=2**-9 * float(ref.abs().max()))
+
+
 def test_misaligned_shapes_fall_back_to_the_reference_path(tmp_path):
     model = nn.Sequential(nn.Linear(33, 7)).to(DEVICE)  # 33 fp32 = 132-byte rows: no TMA
     guard = aegis.protect(model, config=config(tmp_path))
@@ -68,8 +97,9 @@ def test_misaligned_shapes_fall_back_to_the_reference_path(tmp_path):
 
 
 @pytest.mark.slow
-def test_faults_in_each_gemm_are_confirmed_with_site_step_and_tile(tmp_path):
-    model, data, optimizer = tiny_workload()
+@pytest.mark.parametrize("seq", [16, 15])  # 2 × 15 tokens: rows of X's columns not 16-byte aligned
+def test_faults_in_each_gemm_are_confirmed_with_site_step_and_tile(tmp_path, seq):
+    model, data, optimizer = tiny_workload(seq=seq)
     # calibration takes steps 0–3 (4 checks a site): step 5 is judged against a calibrated threshold
     spec = aegis.FaultSpec(site="layers.0.mlp.up_proj:*", model="bitflip", bit=27, steps=(5,), seed=5)
     guard = aegis.protect(model, optimizer=optimizer, config=config(tmp_path, faults=(spec,)))
@@ -78,7 +108,7 @@ def test_faults_in_each_gemm_are_confirmed_with_site_step_and_tile(tmp_path):
     injected = {j.site: j.fault for j in guard.injector.log}
     assert set(injected) == {f"layers.0.mlp.up_proj:{k}" for k in ("fwd", "dgrad", "wgrad")}
     assert sorted(i.site.name for i in guard.incidents) == sorted(injected)
-    tokens = 2 * 16
+    tokens = 2 * seq
     shapes = {"fwd": (tokens, 128), "dgrad": (tokens, 64), "wgrad": (128, 64)}  # (M, N) of each C
     for incident in guard.incidents:
         assert incident.step == 5 and incident.verdict.wrong_execution is WrongExecution.ORIGINAL
@@ -169,9 +199,10 @@ def test_fingerprint_checks_join_the_optimizer_gate_after_calibration(tmp_path, 
 
 # -- real GPU ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_gpu_bf16_training_clean_then_faulty(tmp_path):
+@pytest.mark.parametrize("batch,seq", [(8, 512), (7, 510)])  # 3 570 tokens: X's columns not 16-byte aligned
+def test_gpu_bf16_training_clean_then_faulty(tmp_path, batch, seq):
     cfg = LlamaConfig(vocab_size=4096, dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=2816, max_seq_len=512)
-    model, data, optimizer = tiny_workload(cfg=cfg, batch=8, seq=512, dtype=torch.bfloat16)
+    model, data, optimizer = tiny_workload(cfg=cfg, batch=batch, seq=seq, dtype=torch.bfloat16)
     spec = aegis.FaultSpec(site="layers.1.mlp.down_proj:*", model="bitflip", bit=26, steps=(40,), seed=2)
     guard = aegis.protect(
         model,
@@ -193,6 +224,9 @@ def test_gpu_bf16_training_clean_then_faulty(tmp_path):
     assert (
         summary.confirmed == 3 and summary.alarms == summary.false_alarms + summary.confirmed + summary.not_verifiable
     )
+    # every GEMM of every step checked, whatever the token count (attention is another sensor's)
+    assert not {s.name for s in guard.sites} & set(summary.coverage["not_covered"])
+    assert summary.checks == 42 * len(guard.sites)
     print(f"GPU training: {summary.checks} checks, {summary.false_alarms} false alarms")
 
 

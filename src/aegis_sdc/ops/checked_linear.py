@@ -159,18 +159,14 @@ class LinearHooks:
         call — and its site is named in the coverage report."""
         if self.backend != "auto" or x2d.device.type != "cuda":
             return None
-        for t in (x2d, weight):
-            reason = triton_linear.unsupported(t)
-            if reason is not None:
-                return reason
-        return None
+        return triton_linear.unsupported(x2d) or triton_linear.unsupported(weight, is_weight=True)
 
     def use_triton(self, x2d: torch.Tensor, weight: torch.Tensor) -> bool:
         if self.backend == "reference" or self.state is None:
             return False
         if self.backend == "auto":  # on CUDA the caller found no `gpu_gap` before planning this call
             return x2d.device.type == "cuda"
-        return triton_linear.usable(x2d, weight)
+        return triton_linear.usable(x2d, weight=weight)
 
     def counters_for(self, kind: str, m: int, n: int, k: int, device: torch.device) -> torch.Tensor:
         """Zeroed int32 counters for a checked C [m, n] = A [m, k]·B launch (left zero by the kernel)."""

@@ -294,27 +294,34 @@ class ByproductPool:
         return view
 
 
-def usable(*tensors: torch.Tensor) -> bool:
+def usable(*activations: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """Whether the Triton path can take these operands (device, dtype, TMA alignment)."""
-    for t in tensors:
+    operands = [(t, False) for t in activations] + ([] if weight is None else [(weight, True)])
+    for t, is_weight in operands:
         if t.device.type != "cuda" and not tg.INTERPRET:
             return False
-        if unsupported(t) is not None:
+        if unsupported(t, is_weight=is_weight) is not None:
             return False
     return True
 
 
-def unsupported(t: torch.Tensor) -> str | None:
+def unsupported(t: torch.Tensor, *, is_weight: bool = False) -> str | None:
     """Why the Triton kernel cannot take this operand (None: it can).
 
-    A 2-D operand [R, C] yields outputs whose rows have R or C elements, so both must give 16-byte
-    aligned rows (a weight [N, K] makes forward outputs [M, N] and dgrad outputs [M, K])."""
+    Every operand is addressed by TMA: a contiguous last dimension, rows of 16-byte multiples, an
+    aligned base. A weight [N, K] also gives the forward's output rows of N elements, so N must make
+    16-byte rows as well. An activation's first dimension (the token count M) is free: no output
+    has rows of M elements (forward [M, N], dgrad [M, K], wgrad [N, K]), and in the wgrad, where M
+    is the reduction, the tiles past M read zeros — so a batch of 4 × 2047 tokens is checked."""
     # fp32 on a GPU: tl.dot would round the operands to tf32, whose products are not exact, and
     # fp32 tiles do not fit the Hopper configuration.
     if t.device.type == "cuda" and t.dtype not in (torch.bfloat16, torch.float16):
         return f"{t.dtype} operands (the GPU kernels take bf16/fp16)"
-    if not tg.tma_compatible(t) or (t.shape[0] * t.element_size()) % 16:
+    if not tg.tma_compatible(t):
         return f"an operand of shape {tuple(t.shape)} whose rows are not 16-byte aligned (TMA)"
+    if is_weight and (t.shape[0] * t.element_size()) % 16:
+        rows = t.shape[0]
+        return f"a weight of shape {tuple(t.shape)}: output rows of {rows} elements are not 16-byte aligned (TMA)"
     return None
 
 

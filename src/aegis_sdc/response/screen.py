@@ -527,9 +527,9 @@ def screen(
         params = {"shapes": {layer: list(kn) for layer, kn in table.items()}, "tokens": tokens,
                   "scales": list(scales), "seed": seed}  # fmt: skip
     cases = make_cases({k: tuple(v) for k, v in params["shapes"].items()}, params["tokens"], params["scales"])
-    if path == TRITON:  # TMA addresses rows of 16-byte multiples only (ops/triton_linear.unsupported)
-        width = torch.empty((), dtype=dtype).element_size()
-        odd = sorted({d for c in cases for d in c.shape if d * width % 16})
+    if path == TRITON:  # TMA addresses rows of 16-byte multiples only (ops/triton_linear.unsupported);
+        width = torch.empty((), dtype=dtype).element_size()  # the token count is free
+        odd = sorted({d for c in cases for d in (c.in_features, c.out_features) if d * width % 16})
         if odd:
             raise ScreenError(f"the Triton kernel needs dimensions of 16-byte rows: {odd} x {width} bytes are not")
     files = evidence_files(evidence)  # a missing path is refused before minutes of sweeps
