@@ -29,7 +29,7 @@ import torch.distributed as dist
 from aegis_sdc.distributed.comm_check import CheckedReduceScatter, CommChecks, checked_allreduce_hook, max_ratios
 from aegis_sdc.distributed.context import DistContext
 from aegis_sdc.events import CommKind, Site
-from aegis_sdc.guard import COMM_SLOTS
+from aegis_sdc.runtime.step import COMM_SLOTS
 from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
 from aegis_sdc.workloads.llama import Llama, LlamaConfig, lm_loss
 

@@ -11,7 +11,7 @@ the TinyLlama-1.1B shape, bf16, `AdamW(fused=True)`, 4 × 2048 tokens per step.
   step itself like the replay: the same guard takes a vote at every step's end (its slice of the
   parameters and of the optimizer state fingerprinted on the device, read with the step's transfer),
   switched on and off in the interleaved rounds. One GPU has no replica to exchange with: the vote's
-  8 bytes per column ride the step's existing gather over the exchange group (`guard._exchange`), not
+  8 bytes per column ride the step's existing gather over the exchange group (`StepRuntime.exchange`), not
   timed here. Rows: also each vote synchronized on its own (launch, read, wait) for 1, 4 and 8
   parameter slices, and the host's part alone.
 - `peer_replay_overhead`: a replay step's extra work (distributed/peer_replay.py) — the micro-batch's

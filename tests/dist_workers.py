@@ -49,7 +49,7 @@ def workload(rank: int, device: torch.device, checkpointing: bool = False):
 
 def fail_during_exchange(guard, stall_at: int | None, die_at: int | None) -> None:
     """Make this rank stall (sleep) or die (exit) inside the guard's per-step exchange."""
-    exchange = guard._exchange
+    exchange = guard.runtime.exchange
 
     def failing(step, *rest):
         if step == stall_at:
@@ -58,7 +58,7 @@ def fail_during_exchange(guard, stall_at: int | None, die_at: int | None) -> Non
             os._exit(3)
         return exchange(step, *rest)
 
-    guard._exchange = failing
+    guard.runtime.exchange = failing
 
 
 def _named(params: dict, name: str) -> torch.Tensor:

@@ -75,7 +75,7 @@ def test_a_step_without_checks_is_concluded_after_the_update_is_launched(tmp_pat
     # Nothing in such a step can hold the update back, so its bookkeeping (the read, the store rows)
     # waits until the optimizer has run: the GPU never idles behind it. A checked step still concludes
     # before the update with this (non-fused) optimizer.
-    from aegis_sdc import guard as guard_module
+    from aegis_sdc.runtime.step import StepRuntime
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
@@ -84,8 +84,8 @@ def test_a_step_without_checks_is_concluded_after_the_update_is_launched(tmp_pat
                           thresholds=aegis.ThresholdConfig(calibration_checks=2))  # fmt: skip
     guard = aegis.protect(model, optimizer=optimizer, config=config)
     order = []
-    conclude = guard_module.Guard._conclude
-    monkeypatch.setattr(guard_module.Guard, "_conclude", lambda self, *a, **k: order.append("conclude")
+    conclude = StepRuntime.conclude
+    monkeypatch.setattr(StepRuntime, "conclude", lambda self, *a, **k: order.append("conclude")
                         or conclude(self, *a, **k))  # fmt: skip
     optimizer.register_step_pre_hook(lambda *_: order.append("update"))  # after the guard's pre-hook
     for _ in range(5):  # 2 calibration steps, then 3 without checks

@@ -1,4 +1,4 @@
-"""Dependencies point downward only: kernels ← ops ← sensors ← verify ← guard (DESIGN.md)."""
+"""Dependencies point downward only: kernels ← ops ← sensors ← verify ← response ← runtime ← guard (DESIGN.md)."""
 
 import ast
 from pathlib import Path
@@ -12,7 +12,8 @@ ALLOWED = {
     "ops": {"kernels"},
     "sensors": {"kernels", "ops"},
     "verify": {"kernels", "ops", "sensors"},
-    "runtime": {"kernels", "ops", "sensors", "verify"},
+    "response": {"kernels", "ops", "sensors", "verify"},  # policies, evidence files, certificates
+    "runtime": {"kernels", "ops", "sensors", "verify", "response"},
     "faults": {"hashing"},
     "store": set(),
     "distributed": {"events", "kernels"},  # the fused chunk sums of the collective checks

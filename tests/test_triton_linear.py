@@ -148,8 +148,9 @@ def test_the_optimizer_gate_holds_back_an_alarmed_update(tmp_path, monkeypatch, 
     cfg = config(tmp_path, faults=(spec,), response=aegis.ResponseConfig(policy=policy))
     guard = aegis.protect(model, optimizer=optimizer, config=cfg)
     gated = []
-    collect = guard._collect
-    monkeypatch.setattr(guard, "_collect", lambda *, gate, **more: gated.append(gate) or collect(gate=gate, **more))
+    collect = guard.runtime.collect
+    monkeypatch.setattr(guard.runtime, "collect",
+                        lambda *, gate, **more: gated.append(gate) or collect(gate=gate, **more))  # fmt: skip
     weight = model.layers[0].mlp.up_proj.weight
     raised_at, before = _train_until_raised(model, data, optimizer, weight, steps=6)
     guard.close()
@@ -180,8 +181,8 @@ def test_fingerprint_checks_join_the_optimizer_gate_after_calibration(tmp_path, 
                  fingerprints=aegis.FingerprintConfig(saved_probability=1.0))  # fmt: skip
     guard = aegis.protect(model, optimizer=optimizer, config=cfg)
     collected = []
-    collect = guard._collect
-    monkeypatch.setattr(guard, "_collect", lambda **kw: collected.append(collect(**kw)) or collected[-1])
+    collect = guard.runtime.collect
+    monkeypatch.setattr(guard.runtime, "collect", lambda **kw: collected.append(collect(**kw)) or collected[-1])
     weight = model.layers[0].mlp.up_proj.weight
     raised_at, before = _train_until_raised(model, data, optimizer, weight, steps=6)
     guard.close()

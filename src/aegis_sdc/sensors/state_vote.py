@@ -9,7 +9,7 @@ When. At a step's end, before its update (the optimizer pre-hook, or `guard.step
 are then the previous update's output, which every replica computed with the same element-wise
 update from the same reduced gradient (DDP); forward and backward do not write them. The
 fingerprints (ops/fingerprint.py, 64 bits per tensor) are taken on the device and copied to the host
-without waiting; they travel in the next step's exchange (guard._exchange), by when the copy has long
+without waiting; they travel in the next step's exchange (`StepRuntime.exchange`), by when the copy has long
 landed — a vote never makes a step wait for the device. A corruption at rest is fingerprinted at the
 first vote of its slice and judged a step later.
 

@@ -1,0 +1,151 @@
+"""What each step checks: the sampling plan drawn when a step begins, and under an overhead budget
+the probabilities behind it (runtime/plan.py draws, runtime/budget.py chooses).
+
+Every step begins here. Sites whose thresholds are calibrating, and sites an injected fault may hit,
+run checked whatever the plan. Under `SamplingConfig.budget`, after calibration a few steps without
+sampling measure the step, every site's check is timed at its shape once (`ops/cost.py`, cached by
+shape), and one knapsack over the GEMM sites and the attention modules fills the budget; the cycle
+repeats every `replan_steps` steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from aegis_sdc.faults.injector import FaultInjector
+from aegis_sdc.kernels.reference import Tiling
+from aegis_sdc.ops.cost import attention_check_cost_ms, check_cost_ms
+from aegis_sdc.runtime.budget import BudgetController
+from aegis_sdc.runtime.plan import GEMMS_PER_LINEAR, StepPlan
+from aegis_sdc.sensors.attention import AttentionSensor
+from aegis_sdc.sensors.gemm import GemmSensor
+from aegis_sdc.sensors.sampling import Sampler
+
+Event = tuple[str, str, int | None]  # (kind, message, site id): a line of the step's record
+
+
+class StepPlanner:
+    """Begins each step's plan; under a budget, replans from measured costs."""
+
+    def __init__(
+        self,
+        *,
+        sensors: list[GemmSensor],
+        attention_sensors: dict[str, AttentionSensor],
+        plan: StepPlan,
+        budget: BudgetController | None,
+        sampler: Sampler,
+        injector: FaultInjector,
+        device: torch.device,
+        tiling: Tiling,
+        events: list[Event],
+    ) -> None:
+        self.sensors = sensors  # by site id; the registry's list (it grows as Linears are swapped in)
+        self.attention_sensors = attention_sensors  # by module; made at their first calls
+        self.plan = plan
+        self.budget = budget
+        self.sampler = sampler
+        self.injector = injector
+        self.device = device
+        self.tiling = tiling
+        self._events = events
+        self.saved_checker: Any = None  # the saved-tensor fingerprints: a budget probe step forces one
+        self.last_calls: list[int] = []  # the calls of each Linear in the last step that made any
+        self._check_costs: dict[tuple, float] = {}  # measured ms per check, by kind and shape
+        # the state sensors under the budget: their ms per step at the configured periods, and how
+        # to adopt the factor the budget puts on those periods (None: the step's exchange agrees it)
+        self.state_sensors_ms: Callable[[], float] = lambda: 0.0
+        self.adopt_stretch: Callable[[int], None] | None = None
+
+    def begin(self, step: int) -> None:
+        """Draw the step's sampling plan; calibrating sites and sites a fault may hit run checked."""
+        sensors = self.sensors
+        calibrating = np.fromiter((s.row.calibrating for s in sensors), dtype=bool, count=len(sensors))
+        quiet = False
+        if self.budget is not None:
+            # a module whose calls run unchecked (named in the coverage report) never calibrates: it
+            # must not hold the budget's plan back (a shape is set by its first planned call)
+            attention_calibrating = any(s.calibrating and s.shape is not None for s in self.attention_sensors.values())
+            # likewise a GEMM site never called (the dgrad of a first Linear whose input needs no
+            # gradient) — once some site has been called: before the first step, all are to come
+            called = np.fromiter((s.shape is not None for s in sensors), dtype=bool, count=len(sensors))
+            gemm_calibrating = bool((calibrating & called).any()) or (called.size > 0 and not called.any())
+            quiet = self._plan_budget(gemm_calibrating or attention_calibrating)
+        for sensor in self.attention_sensors.values():
+            sensor.quiet = quiet
+        faulted = None
+        if self.injector:
+            faulted = np.fromiter((self.injector.may_fire(s.site, step) for s in sensors), dtype=bool)
+        self.plan.begin(step, calibrating, faulted, quiet=quiet)
+
+    def _plan_budget(self, calibrating: bool) -> bool:
+        """The budget's phase for this step, and a new plan when one is due. True: this step samples
+        nothing (the budget measures the step without checks)."""
+        phase = self.budget.step_begins(calibrating)
+        saved = self.saved_checker
+        if saved is not None:  # a probe measures a saved-tensor step; quiet steps have none
+            saved.forced = {"probe": True, "quiet": False}.get(phase)
+            if self.budget.saved_planned is not None:
+                saved.probability = self.budget.saved_planned
+        if self.budget.due():
+            self._replan()
+        return phase in ("quiet", "probe")
+
+    def _replan(self) -> None:
+        """One knapsack over the GEMM sites and the attention modules (a call's forward and backward
+        are checked together), each at its measured cost per check."""
+        attention = list(self.attention_sensors.values())
+        costs = np.array([self._check_cost(s) for s in self.sensors] + [self._attention_cost(s) for s in attention])
+        flops = np.array([s.flops for s in self.sensors] + [s.call_flops for s in attention])
+        calls = np.concatenate((
+            np.repeat(np.asarray(self.last_calls or [1] * self.plan.linears, dtype=np.float64), GEMMS_PER_LINEAR),
+            np.asarray([s.calls_last_step for s in attention], dtype=np.float64),
+        ))  # fmt: skip
+        caps = np.array([self.sampler.probability_for(s.site.name, 1.0) for s in self.sensors]
+                        + [self.sampler.probability_for(s.forward_site.name, 1.0) for s in attention])  # fmt: skip
+        plan = self.budget.replan(flops, calls, costs, caps, sensors_ms_at_base=self.state_sensors_ms())
+        if self.adopt_stretch is not None:
+            self.adopt_stretch(self.budget.sensor_stretch)
+        if plan is None:
+            return
+        gemms = len(self.sensors)
+        self.plan.set_probabilities(plan.probabilities[:gemms])
+        for sensor, probability in zip(attention, plan.probabilities[gemms:], strict=True):
+            sensor.probability = float(probability)
+        work = np.maximum(calls, 1.0) * flops
+        fractions = [
+            float((plan.probabilities[part] * work[part]).sum() / work[part].sum()) if work[part].sum() else 0.0
+            for part in (slice(0, gemms), slice(gemms, None))
+        ]  # fmt: skip
+        budget = self.budget
+        self._events.append(
+            ("sampling_plan", f"budget {budget.budget:.2%} of a {budget.base_ms:.1f} ms step: "
+             f"{plan.expected_ms:.2f} ms of checks (cost model × {budget.scale:.2f}), "
+             f"{fractions[0]:.1%} of GEMM FLOPs, {fractions[1]:.1%} of attention FLOPs"
+             + budget.describe_saved() + budget.describe_sensors(),
+             None)
+        )  # fmt: skip
+
+    def _attention_cost(self, sensor: AttentionSensor) -> float:
+        if sensor.shape is None:
+            return 0.0  # never called (or never checkable): nothing to time
+        key = ("attention", *sensor.shape)
+        if key not in self._check_costs:
+            self._check_costs[key] = attention_check_cost_ms(*sensor.shape, self.device)
+        return self._check_costs[key]
+
+    def _check_cost(self, sensor: GemmSensor) -> float:
+        if sensor.shape is None or sensor.dtype is None:
+            return 0.0  # never called: nothing to time, and nothing its checks would cost
+        key = (sensor.site.kind.value, sensor.shape, sensor.dtype, sensor.col_check, sensor.triton)
+        cost = self._check_costs.get(key)
+        if cost is None:
+            cost = self._check_costs[key] = check_cost_ms(
+                sensor.site.kind.value, sensor.shape, sensor.dtype, self.device, col_check=sensor.col_check,
+                triton=sensor.triton, tiling=self.tiling,
+            )  # fmt: skip
+        return cost

@@ -1,0 +1,444 @@
+"""The step end: collect → judge → (exchange) → verify → record → respond, once per training step.
+
+The guard builds the parts (sensors, verifier, store, policies) and ends each step here: at the
+optimizer's step hooks, or at `Guard.step()` for loops without an optimizer. This runtime owns what
+lives from one step end to the next: the counts, the alarms waiting for a verdict, the ids of
+vTasks and incidents, the listeners, the collectives' slots in the exchange, the replicas' vote in
+flight.
+
+- `collect`  takes what the step's checked calls recorded on the device and starts it on its way to
+             the host (runtime/evidence.py: one packed copy, nothing waits);
+- `conclude` reads it (the step's one wait for the device) and runs the rest:
+  - `judge`    every check against its threshold (GEMMs, collectives, attention, fingerprints, update
+               replays, peer replays); an alarm becomes a vTask with its replay context;
+  - `exchange` with data-parallel ranks, the step's one collective: every rank's largest differences
+               (rank-outlier warnings), the collectives' checks, the replicas' state vote;
+  - `verify`   replays what is due (runtime budget) and acts on each verdict: a false alarm widens its
+               site's threshold, a confirmed SDC becomes an incident with its evidence files;
+  - `record`   one store transaction per step (runtime/record.py, written off the training thread);
+  - `respond`  tells the listeners, then the policy acts (response/policies.py), which may raise
+               before the update lands: after the record, so nothing found is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from aegis_sdc.bounded import BoundedLog
+from aegis_sdc.distributed.comm_check import CommCapture, max_ratios
+from aegis_sdc.distributed.outlier import OutlierWarning, detect_outliers
+from aegis_sdc.distributed.peer_replay import PeerCapture, PeerFinding
+from aegis_sdc.events import Channel, CommKind, Evidence, Incident, Site, StateKind, Verdict, VerdictKind, VTask
+from aegis_sdc.ops.gemm_replay import MODIFIED_BEFORE_REPLAY
+from aegis_sdc.response.console import StepConsole
+from aegis_sdc.response.evidence import CleanSample, write_clean_evidence, write_incident_evidence
+from aegis_sdc.runtime import evidence as step_evidence
+from aegis_sdc.runtime.evidence import Collected
+from aegis_sdc.runtime.record import StepReport
+from aegis_sdc.sensors.attention import AttentionSensor
+from aegis_sdc.sensors.state_vote import VoteCapture, VoteRecord
+from aegis_sdc.sensors.update_replay import UpdateCapture
+
+log = logging.getLogger("aegis_sdc")
+
+Listener = Callable[[str, Any], None]
+Alarm = Callable[[Evidence, object], None]
+COMM_SLOTS = 256  # collectives exchanged per step (the exchange tensor has a fixed shape)
+
+
+class StepRuntime:
+    """The step end of one guard. `guard`: the parts it runs over (read here, built by the guard)."""
+
+    def __init__(self, guard: Any, *, next_vtask: int, next_incident: int, start_step: int) -> None:
+        self.guard = guard
+        self.counts: Counter[str] = Counter()
+        self.incidents: BoundedLog[Incident] = BoundedLog()  # the latest; the store has them all
+        self.outlier_warnings: BoundedLog[OutlierWarning] = BoundedLog()
+        self.listeners: list[Listener] = []
+        self.pending_evidence: dict[int, Evidence] = {}  # vTask id → its evidence, until verified
+        self.false_alarm_handlers: dict[int, Callable[[Evidence], None]] = {}  # non-GEMM sites, by site id
+        self.next_vtask, self.next_incident = next_vtask, next_incident  # the store's ids continue
+        self.comm_sites: dict[str, Site] = {}
+        self.comm_slot: dict[int, int] = {}  # collective site id → its slot in the exchange
+        self.comm_values: dict[int, float] = {}  # this step: collective slot → largest mismatch / bound
+        # The vote taken at a step's end is read and exchanged at the next step's end: its copy to the
+        # host is long done by then, so no step waits for the device on its account.
+        self.vote_taken: VoteRecord | None = None  # this step's vote, on its way to the host
+        self.vote_due: VoteRecord | None = None  # the previous step's, for this step's exchange
+        self.peer_findings: list[PeerFinding] = []
+        self.state_sites: dict[tuple[str, StateKind], Site] = {}
+        self.steps_counted, self.last_step_counted = 0, None  # distinct steps that checked or verified
+        self.host_wait_ms = 0.0  # the host's time waiting for evidence (the device still computing)
+        self.last_checked_flops_fraction = 0.0  # of the GEMM FLOPs of the last recorded step
+        self.last_checked_gemm_flops, self.last_recorded_step = 0.0, start_step  # for the coverage report
+        # each named once: fault specs matching no site, a boundary after the update, an out-of-step vote
+        self.fault_sites_named = self.warned_late_boundary = self.vote_out_of_step_named = False
+        self.coverage_logged = False  # the coverage report, logged after the first recorded step
+
+    # -- the step end, in order --------------------------------------------------------------------
+    def process(self, *, drain: bool, vote: bool = False) -> StepReport:
+        return self.conclude(self.collect(gate=False, vote=vote), drain=drain)
+
+    def collect(self, *, gate: bool, vote: bool = False) -> Collected:
+        """Take what the step recorded and start its evidence on the way to the host (nothing waits).
+        `vote`: at a step's end, before its update — the replicas' state is fingerprinted here."""
+        g = self.guard
+        step = g.clock.step
+        if vote:  # the previous step's vote is due; this step's is taken (unless the cadence skips it)
+            self.vote_due, self.vote_taken = self.vote_taken, None
+        if vote and g.state_vote is not None and step % g.sensor_stretch == 0:
+            span = g.sensor_clock.begin("state_vote", step)
+            self.vote_taken = g.state_vote.take(step, g.optimizer, g.responder.dropped_updates)
+            g.sensor_clock.end(span)
+        records = list(g.recorder)
+        g.recorder.clear()
+        for swap in g._swaps:  # compiled forwards whose backward never came (see ops/linear_op.py)
+            swap.checked.aegis_hooks.pending.clear()
+        comm_records = g.comm_checks.take()
+        attention, g.attention_records[:] = list(g.attention_records), []
+        fp_records = g.fingerprints.take()
+        differ = g.fingerprints.differ_on_device(fp_records) if gate and fp_records else None
+        collected = step_evidence.collect(
+            step, records, comm_records, max_ratios(comm_records) if comm_records else None,
+            fp_records, attention, g.fingerprint_pool.device_buffers(), gate=gate,
+            fingerprints_differ=differ,
+        )  # fmt: skip
+        g.device_state.end_step()  # fresh slots and pools: their contents are copied or queued
+        return collected
+
+    def conclude(self, collected: Collected, *, drain: bool) -> StepReport:
+        """One step's evidence, end to end: read it (the step's one wait for the device), judge every
+        check, verify the alarms, record the step, respond to what was confirmed."""
+        g = self.guard
+        report = StepReport(collected.step)
+        started = time.perf_counter()
+        synced, comm_values = step_evidence.read(collected, g.fingerprint_pool)
+        self.host_wait_ms += (time.perf_counter() - started) * 1000.0
+        evidence_of = self.judge(collected, synced, comm_values, report)
+        if g.dist is not None and not drain:
+            self.exchange(collected.step, report, evidence_of)
+        self.verify(report, evidence_of, drain=drain)
+        self.counts["checks"] += report.checks
+        self.counts["alarms"] += len(report.alarms)
+        if (collected.records or report.verdicts) and collected.step != self.last_step_counted:
+            self.steps_counted, self.last_step_counted = self.steps_counted + 1, collected.step
+        if g.injector and not self.fault_sites_named and (collected.records or collected.attention):
+            self._name_unmatched_faults(report)
+        self.record(report)
+        g.certification.note_incidents(report.incidents, report.verdicts)
+        self.respond(report)
+        g._decide_certificates(final=False)
+        return report
+
+    # -- judge -------------------------------------------------------------------------------------
+    def judge(self, collected: Collected, synced: list, comm_values: list, report: StepReport) -> dict[int, Evidence]:
+        """Every check of the step against its threshold (GEMMs, collectives, attention, fingerprints):
+        an alarm becomes a vTask in the report, with its evidence (by vTask id)."""
+        g = self.guard
+        report.checks = len(collected.records)
+        evidence_of: dict[int, Evidence] = {}
+        alarm = functools.partial(self.alarm, report, evidence_of)
+
+        for record, stats in zip(collected.records, synced, strict=True):
+            evidence = record.sensor.judge(record, stats)
+            if evidence is not None:
+                alarm(evidence, record.capture)
+            elif record.clean is not None:  # a clean sample's tile as evidence (never raises: logged)
+                plan, tile, record.clean = record.plan, record.clean, None  # released once written
+                sample = CleanSample(record.sensor.site, plan.step, plan.call, g.identity, tile)
+                write_clean_evidence(g.run_dir, sample, g.clean_budget)
+        for record, value in zip(collected.comm_records, comm_values, strict=True):
+            if value > 1.0:
+                alarm(
+                    Evidence(
+                        site=record.site, step=record.step, call=0, channel=Channel.COMM, value=value,
+                        threshold=1.0, index=record.mismatched()[0], raw_l2=0.0, channels=(Channel.COMM,),
+                    ),
+                    CommCapture(record, [g.identity.rank], g.dist.ranks if g.dist else [g.identity.rank]),
+                )  # fmt: skip
+            self.comm_values[self.comm_slot[record.site.id]] = value
+        self.counts["attention_checks"] += len(collected.attention)
+        for record in collected.attention:
+            evidence = AttentionSensor.judge(record)
+            if evidence is not None:
+                alarm(evidence, record.capture)
+        if g.update_replay is not None:
+            self._judge_updates(alarm)
+        self._raise_peer_findings(alarm)
+        mismatched, not_deterministic = g.fingerprints.judge(collected.fp_records)
+        self.counts["fingerprint_checks"] += len(collected.fp_records)
+        for record in mismatched:
+            alarm(record.evidence(), record.capture)
+        for name in not_deterministic:
+            self.counts["not_deterministic_calibration"] += 1
+            report.events.append(("not_deterministic", f"{name}: not deterministic — not covered",
+                                  g.registry.id_of(name)))  # fmt: skip
+        return evidence_of
+
+    def alarm(self, report: StepReport, evidence_of: dict[int, Evidence], evidence: Evidence, payload: object) -> None:
+        """Evidence over its threshold becomes a vTask of the step, with its replay context."""
+        task = VTask(self.next_vtask, evidence, payload)
+        self.next_vtask += 1
+        report.alarms.append(task)
+        evidence_of[task.id] = evidence
+
+    def _judge_updates(self, alarm: Alarm) -> None:
+        """Optimizer-update replays whose fingerprints came with this read: a parameter whose training
+        update and replay differ raises a vTask (its verdict runs the update a third time)."""
+        g = self.guard
+        for record in g.update_replay.take_resolved():
+            for index in record.mismatched():
+                site = self.state_site(record.inputs.names[index], StateKind.OPTIMIZER_UPDATE)
+                evidence = Evidence(site=site, step=record.step, call=0, channel=Channel.FINGERPRINT, value=1.0,
+                                    threshold=0.0, index=0, raw_l2=0.0, channels=(Channel.FINGERPRINT,))  # fmt: skip
+                alarm(evidence, UpdateCapture(record, index, g.fingerprint_pool))
+
+    def conclude_peer_replay(self) -> None:
+        """On a peer-replay step, before the update: the ranks recompute each other's micro-batches
+        (distributed/peer_replay.py); the findings are raised with the step's other alarms."""
+        g = self.guard
+        if g.peer_replay is not None and g.peer_replay.due(g.clock.step):
+            span = g.sensor_clock.begin("peer_replay", g.clock.step)
+            self.peer_findings = g.peer_replay.conclude(g.clock.step, self._replaying)
+            g.sensor_clock.end(span)
+
+    @contextlib.contextmanager
+    def _replaying(self):
+        """The checked ops run a recomputation of this step's calls: the plan's call counts start
+        again from zero (the same calls are checked, so the same kernels run) and are restored after.
+        The recomputation's checks are judged with the step's: they are real checks of this device."""
+        plan = self.guard.plan
+        calls = list(plan.calls)
+        plan.calls = [0] * len(calls)
+        try:
+            yield
+        finally:
+            plan.calls = calls
+
+    def _raise_peer_findings(self, alarm: Alarm) -> None:
+        """A peer-replay finding is raised once: by the rank it names, or (a pair, an unstable step)
+        by the lowest rank that ran it."""
+        findings, self.peer_findings = self.peer_findings, []
+        me = self.guard.identity.rank
+        for finding in findings:
+            raiser = finding.blamed if finding.blamed is not None else min(finding.executions.values())
+            if raiser != me:
+                continue
+            site = self.state_site("model", StateKind.PEER_REPLAY)
+            evidence = Evidence(site=site, step=finding.step, call=0, channel=Channel.FINGERPRINT,
+                                value=float(len(finding.params)), threshold=0.0, index=finding.owner, raw_l2=0.0,
+                                channels=(Channel.FINGERPRINT,))  # fmt: skip
+            alarm(evidence, PeerCapture(finding))
+
+    def state_site(self, param: str, kind: StateKind) -> Site:
+        """The site of a parameter's state (vote or update replay), registered at its first finding."""
+        site = self.state_sites.get((param, kind))
+        if site is None:
+            site = self.state_sites[(param, kind)] = self.guard.registry.add(param, kind, "state")
+        return site
+
+    def comm_site(self, name: str, kind: CommKind) -> Site:
+        """The site of a checked collective, registered at its first call, with its exchange slot."""
+        key = f"{name}:{kind.value}"
+        site = self.comm_sites.get(key)
+        if site is None:
+            site = self.comm_sites[key] = self.guard.registry.add(name, kind, kind.value)
+            self.comm_slot[site.id] = len(self.comm_slot) % COMM_SLOTS
+        return site
+
+    # -- exchange (data parallelism) ----------------------------------------------------------------
+    def exchange(self, step: int, report: StepReport, evidence_of: dict[int, Evidence]) -> None:
+        """The step's one collective: per site, every data-parallel rank's largest normalized difference
+        (and per collective, how far its check was off), the replicas' state vote and the factor on the
+        state sensors' periods this rank's budget asks for, gathered on the exchange group (int64: the
+        differences' float64 bits, the vote's values, the factor). All ranks adopt the largest factor."""
+        g = self.guard
+        nan = float("nan")
+        values = [max(s.step_stats.max_row, s.step_stats.max_col) if s.step_stats.checks else nan for s in g.sensors]
+        comm = [nan] * COMM_SLOTS
+        for index, value in self.comm_values.items():
+            comm[index % COMM_SLOTS] = value
+        self.comm_values = {}
+        sent = torch.tensor(values + comm, dtype=torch.float64).view(torch.int64)
+        vote, self.vote_due = self.vote_due, None
+        if vote is not None:
+            vote.read()  # copied a step ago: nothing to wait for
+        if g.state_vote is not None:  # a fixed width on every rank, zeros when no vote was taken
+            width = g.state_vote.width
+            sent = torch.cat((sent, vote.values(width) if vote else torch.zeros(width, dtype=torch.int64)))
+        stretch = g.budget.sensor_stretch if g.budget is not None else 1
+        everyone = g.dist.all_gather(torch.cat((sent, torch.tensor([stretch], dtype=torch.int64))), step)
+        gathered = everyone[:, : len(values) + COMM_SLOTS].contiguous().view(torch.float64)
+        if vote is not None:
+            self._judge_vote(vote, everyone[:, len(values) + COMM_SLOTS : -1], report, evidence_of)
+            g.certification.vote_judged_step = max(g.certification.vote_judged_step, vote.step)
+        g._adopt_sensor_stretch(int(everyone[:, -1].max()), report)
+        n = len(g.sensors)
+        cfg = g.config.distributed
+        if step >= cfg.warmup_steps:
+            found = detect_outliers(gathered[:, :n], g.dist.ranks, g.sites, step, cfg.outlier_factor,
+                                    cfg.outlier_quantile)  # fmt: skip
+            self.outlier_warnings.extend(found)
+            report.warnings.extend(found)
+        failed: dict[int, list[int]] = {}
+        for slot in range(COMM_SLOTS):
+            column = gathered[:, n + slot].tolist()
+            bad = [g.dist.ranks[r] for r, v in enumerate(column) if v == v and v > 1.0]
+            if bad:
+                failed[slot] = bad
+        for task in report.alarms:
+            if isinstance(task.payload, CommCapture):
+                task.payload.ranks_failed = failed.get(self.comm_slot[task.site.id], task.payload.ranks_failed)
+                task.payload.exchanged = True
+
+    def _judge_vote(self, vote: VoteRecord, gathered: torch.Tensor, report: StepReport,
+                    evidence_of: dict[int, Evidence]) -> None:  # fmt: skip
+        """The replicas' state vote of this step: a rank outside a majority raises a vTask against
+        itself; a disagreement no majority decides is raised once, by the lowest rank involved."""
+        g = self.guard
+        findings = g.state_vote.judge(vote, gathered, g.dist.ranks)
+        if findings is None:
+            if not self.vote_out_of_step_named:
+                self.vote_out_of_step_named = True
+                why = "a skip-step policy dropped an update on some rank"
+                report.events.append(("vote_skipped", f"the replicas are out of step by design ({why}): the state "
+                                      "vote judges nothing", None))  # fmt: skip
+            return
+        me = g.identity.rank
+        for finding in findings:
+            if me not in finding.minority or (not finding.majority and me != min(finding.minority)):
+                continue
+            evidence = Evidence(
+                site=self.state_site(finding.param, finding.kind), step=finding.step, call=0, channel=Channel.VOTE,
+                value=float(len(finding.ranks) - len(finding.minority)) if finding.majority else 0.0,
+                threshold=0.0, index=0, raw_l2=0.0, channels=(Channel.VOTE,),
+            )  # fmt: skip
+            self.alarm(report, evidence_of, evidence, VoteCapture(finding))
+
+    # -- verify --------------------------------------------------------------------------------------
+    def verify(self, report: StepReport, evidence_of: dict[int, Evidence], *, drain: bool) -> None:
+        """Queue the step's alarms, replay what is due (all of it when draining), and act on each
+        verdict: a false alarm widens its site's threshold, a confirmed SDC becomes an incident."""
+        g = self.guard
+        self.pending_evidence.update(evidence_of)
+        g.verifier.submit(report.alarms)
+        started = time.perf_counter()
+        report.verdicts = g.verifier.run(report.step, drain=drain)
+        report.verify_ms = (time.perf_counter() - started) * 1000.0
+        for verdict in report.verdicts:
+            evidence = self.pending_evidence.pop(verdict.vtask_id)
+            self.counts[verdict.kind.value] += 1
+            if verdict.kind is VerdictKind.FALSE_ALARM and verdict.site.id < len(g.sensors):
+                g.sensors[verdict.site.id].on_false_alarm(evidence)
+            elif verdict.kind is VerdictKind.FALSE_ALARM and verdict.site.id in self.false_alarm_handlers:
+                self.false_alarm_handlers[verdict.site.id](evidence)
+            elif verdict.kind is VerdictKind.NOT_VERIFIABLE and MODIFIED_BEFORE_REPLAY in verdict.detail:
+                self._name_late_boundary()
+            elif verdict.kind is VerdictKind.NOT_DETERMINISTIC:
+                state = g.fingerprints.sites.get(verdict.site.name)
+                if state is not None:
+                    state.not_deterministic = verdict.detail
+            elif verdict.kind is VerdictKind.CONFIRMED_SDC:
+                incident = Incident(self.next_incident, verdict.site, evidence.step, g.identity, evidence, verdict)
+                self.next_incident += 1
+                report.incidents.append(incident)
+                # its replay context as files, before the policy acts (never raises: a failure is logged)
+                write_incident_evidence(g.run_dir, incident, g.verifier.kept.pop(verdict.vtask_id, None),
+                                        g.evidence_budget)  # fmt: skip
+        self.incidents.extend(report.incidents)
+        _log_nonfinite_inputs(g.console, report.verdicts)
+
+    # -- record and respond ------------------------------------------------------------------------
+    def record(self, report: StepReport) -> None:
+        """The step's record: its checks, alarms, verdicts, incidents and events, one transaction."""
+        g = self.guard
+        report.events.extend(g._pending_events)
+        g._pending_events.clear()
+        calls = g.plan.take_counts()  # the calls of each Linear, checked or not
+        if any(calls):
+            g.planner.last_calls = calls
+        flops = g.step_recorder.record(report, calls, backlog=g.verifier.backlog)
+        self.counts["gemm_flops"] += flops.total
+        self.counts["checked_flops"] += flops.checked
+        if flops.total:
+            self.last_checked_flops_fraction = flops.checked / flops.total
+            self.last_checked_gemm_flops, self.last_recorded_step = flops.checked, report.step
+            if not self.coverage_logged:  # once, after the first step that ran: the report with its FLOPs
+                self.coverage_logged = True
+                log.info("aegis-sdc coverage:\n%s", g.coverage_report().describe())
+
+    def respond(self, report: StepReport) -> None:
+        """Tell the listeners, then act on confirmed incidents by the configured policy (which may raise)."""
+        g = self.guard
+        for task in report.alarms:
+            self.emit("alarm", task)
+        for verdict in report.verdicts:
+            self.emit("verdict", verdict)
+        for incident in report.incidents:
+            self.emit("incident", incident)
+        for warning in report.warnings:
+            self.emit("warning", warning)
+        self.emit("step", report)
+        unattributed = [v for v in report.verdicts if v.kind is VerdictKind.UNATTRIBUTED]
+        g.console.step(report.step, report.verdicts, report.incidents, len(report.alarms), len(report.warnings),
+                       g.step_recorder.writer.waiting)  # fmt: skip
+        g.responder.respond(report.incidents, g.optimizer, unattributed, stopping=g._stopping)
+
+    def emit(self, event: str, payload: Any) -> None:
+        for listener in self.listeners:
+            listener(event, payload)
+
+    # -- wiring mistakes, named once ---------------------------------------------------------------
+    def _name_late_boundary(self) -> None:
+        """A replay found its weight already updated: the step ended after the update. Warned once."""
+        if self.warned_late_boundary:
+            return
+        self.warned_late_boundary = True
+        warnings.warn(
+            "aegis-sdc: an alarm could not be verified because its weight was updated before the step "
+            "ended — the step boundary comes after the optimizer's update (as an optimizer pre-hook does "
+            "under Lightning's automatic optimization, which runs forward and backward inside "
+            "optimizer.step). Use aegis_sdc.integrations.lightning.AegisCallback, or call guard.step() "
+            "after backward and before the update (docs/integrations.md)", stacklevel=3,
+        )  # fmt: skip
+
+    def _name_unmatched_faults(self, report: StepReport) -> None:
+        """After the first step that ran checks: a fault spec that matches none of this rank's sites
+        would never fire — named in a warning and the store, with what site names look like."""
+        g = self.guard
+        self.fault_sites_named = True
+        names = [sensor.site.name for sensor in g.registry.gemm] + [site.name for site in g.registry.extra]
+        rank = g.identity.rank
+        for spec in g.injector.specs:
+            if (not spec.ranks or rank in spec.ranks) and not any(spec.matches(name, rank) for name in names):
+                examples = ", ".join(repr(name) for name in names[:3])
+                message = (f"fault spec site {spec.site!r} matches no protected site, so it never fires; sites "
+                           f"are named like {examples} (fnmatch patterns allowed)")  # fmt: skip
+                warnings.warn(f"aegis-sdc: {message}", stacklevel=2)
+                report.events.append(("fault_unmatched", message, None))
+
+
+def _log_nonfinite_inputs(console: StepConsole, verdicts: list[Verdict]) -> None:
+    """NaN/Inf in a checked call's inputs is the data's doing (an overflow, a bad batch), not the
+    device's: one console line per step that had any, naming the sites — the store has every one."""
+    by_step: dict[int, list[str]] = {}
+    for verdict in verdicts:
+        if verdict.kind is VerdictKind.NONFINITE_INPUT:
+            by_step.setdefault(verdict.step, []).append(verdict.site.name)
+    for step, names in sorted(by_step.items()):
+        sites = list(dict.fromkeys(names))
+        shown = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
+        console.emit(
+            logging.WARNING,
+            f"step {step}: NaN/Inf in the inputs of {len(names)} checked "
+            f"call{'' if len(names) == 1 else 's'} at {shown} — from the data, not the device (not an SDC)",
+        )
