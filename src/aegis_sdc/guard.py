@@ -417,6 +417,11 @@ class Guard:
     def last_checked_flops_fraction(self) -> float:
         return self.runtime.last_checked_flops_fraction
 
+    @property
+    def budget_plan(self) -> BudgetPlan | None:
+        """The sampling plan in force under `SamplingConfig.budget` (None before the first, or without)."""
+        return self.budget.plan if self.budget is not None else None
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """End each step at `optimizer.step()` (for optimizers built after `protect`, e.g. after FSDP2;
         a wrapper such as accelerate's `AcceleratedOptimizer` is unwrapped to the optimizer it steps)."""
@@ -693,10 +698,6 @@ class Guard:
             if isinstance(checker, RecomputeChecker):
                 checker.rebind()
         self.planner.begin(self.clock.step)
-
-    @property
-    def budget_plan(self) -> BudgetPlan | None:
-        return self.budget.plan if self.budget is not None else None
 
     def _comm_fault(self, site: Site, step: int, result: torch.Tensor) -> None:
         """Fault injection into a collective's result on this rank: a flipped bit in one element."""
