@@ -28,14 +28,14 @@ CFG = SMALL
 BACKEND = os.environ.get("AEGIS_TEST_BACKEND", "gloo")
 
 
-def init(rank: int, world: int, port: int) -> torch.device:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def init(rank: int, world: int, rendezvous: str) -> torch.device:
+    """Join the group through a file of the test's own (no TCP port: a port picked free by the test
+    can be taken by another process before rank 0 binds it, and its peers then wait forever)."""
     device = torch.device("cpu")
     if BACKEND == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)  # before the group: NCCL and object collectives use it
-    dist.init_process_group(BACKEND, rank=rank, world_size=world)
+    dist.init_process_group(BACKEND, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     return device
 
@@ -182,9 +182,9 @@ def train_through_guard(guard, data, optimizer, steps: int) -> list[float]:
     return losses
 
 
-def guarded_training(rank: int, world: int, port: int, out: str, options: dict) -> None:
+def guarded_training(rank: int, world: int, rendezvous: str, out: str, options: dict) -> None:
     """DDP or FSDP2 training of the workload, protected or not, with optional faults and stalls."""
-    device = init(rank, world, port)
+    device = init(rank, world, rendezvous)
     parallel = options.get("parallel", "ddp")
     model, data = workload(rank, device, options.get("checkpointing", False))
     raw_model = model
@@ -287,9 +287,9 @@ def guarded_training(rank: int, world: int, port: int, out: str, options: dict) 
     dist.destroy_process_group()
 
 
-def exchange_cost(rank: int, world: int, port: int, out: str, options: dict) -> None:
+def exchange_cost(rank: int, world: int, rendezvous: str, out: str, options: dict) -> None:
     """Per-step cost of the exchange and of the all-reduce check, against a plain DDP step."""
-    init(rank, world, port)
+    init(rank, world, rendezvous)
     from aegis_sdc.distributed.comm_check import CommChecks, checked_allreduce_hook
     from aegis_sdc.distributed.context import DistContext
     from aegis_sdc.events import CommKind, Site
@@ -329,13 +329,13 @@ def exchange_cost(rank: int, world: int, port: int, out: str, options: dict) -> 
     dist.destroy_process_group()
 
 
-def stalled_rank(rank: int, world: int, port: int, out: str, options: dict) -> None:
+def stalled_rank(rank: int, world: int, rendezvous: str, out: str, options: dict) -> None:
     """The documented setup (`protect(ddp_model, optimizer=...)`, or a protected model with no DDP
     wrapper: then the guard's exchange is the only collective) with rank `stop_rank` stopping itself
     (SIGSTOP, as a hung kernel or a stopped process would) after its forward of step `stop_at`: the
     others meet it in the gradient all-reduce (DDP) or in the step's exchange. Each other rank records
     its `RankExchangeError` and the seconds from the start of that step to the error."""
-    device = init(rank, world, port)
+    device = init(rank, world, rendezvous)
     model, data = workload(rank, device)
     timeout = options["exchange_timeout_s"]
     config = aegis.GuardConfig(
@@ -365,12 +365,12 @@ def stalled_rank(rank: int, world: int, port: int, out: str, options: dict) -> N
     os._exit(0)  # a peer is stopped: tearing the groups down would wait for it
 
 
-def mismatched_protect(rank: int, world: int, port: int, out: str, options: dict) -> None:
+def mismatched_protect(rank: int, world: int, rendezvous: str, out: str, options: dict) -> None:
     """`protect` on ranks that differ in `options["differ"]`: "model" (rank 1 has a second layer),
     "include" (rank 1 protects the MLPs only) or "seed" (rank 1 samples with another seed)."""
     from aegis_sdc.distributed.agreement import RankAgreementError
 
-    device = init(rank, world, port)
+    device = init(rank, world, rendezvous)
     differ = options["differ"] if rank == 1 else None
     torch.manual_seed(0)
     cfg = dataclasses.replace(CFG, n_layers=2) if differ == "model" else CFG

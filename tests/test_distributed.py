@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import multiprocessing as mp
-import socket
 import time
 
 import pytest
@@ -20,12 +19,6 @@ from aegis_sdc.store.sqlite import read_incidents, read_unattributed, read_warni
 pytestmark = pytest.mark.xdist_group("processes")
 
 SITE = "layers.0.mlp.up_proj:fwd"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @functools.cache
@@ -42,7 +35,7 @@ def _worker_context():
 
 def run_workers(fn, world: int, tmp_path, options: dict, timeout: float = 240.0, stopped: tuple[int, ...] = ()
                 ) -> list[dict]:  # fmt: skip
-    """Run `fn(rank, world, port, dir, options)` in `world` spawned processes; their result files.
+    """Run `fn(rank, world, rendezvous, dir, options)` in `world` spawned processes; their result files.
 
     Plain processes of the forkserver context (not torch.multiprocessing.spawn, which kills the
     survivors when one rank exits, and the tests need survivors to report); none outlives `timeout`.
@@ -51,8 +44,9 @@ def run_workers(fn, world: int, tmp_path, options: dict, timeout: float = 240.0,
         pytest.skip(f"{world} ranks over NCCL need {world} GPUs, {torch.cuda.device_count()} present")
     tmp_path.mkdir(parents=True, exist_ok=True)
     ctx = _worker_context()
-    port = free_port()
-    processes = [ctx.Process(target=fn, args=(rank, world, port, str(tmp_path), options)) for rank in range(world)]
+    rendezvous = str(tmp_path / "rendezvous")  # a file store: no port to race for
+    processes = [ctx.Process(target=fn, args=(rank, world, rendezvous, str(tmp_path), options))
+                 for rank in range(world)]  # fmt: skip
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout
