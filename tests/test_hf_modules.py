@@ -124,3 +124,49 @@ def test_matmul_modules_left_unprotected_are_named_with_the_reason(tmp_path):
     assert set(report.not_covered) == {"scaled", "mha", "mha.out_proj"}
     assert "subclass of nn.Linear" in report.not_covered["scaled"]
     assert "multi_head_attention_forward" in report.not_covered["mha"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_no_matrix_of_a_mixture_of_experts_model_is_left_out_silently(tmp_path, family):
+    # Experts held as [experts, out, in] parameters (grouped matmuls) and routers are no nn.Linear:
+    # each matrix of the model is either a protected Linear's or named, with its module, as not covered.
+    torch.manual_seed(0)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    if family == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4))
+    else:
+        config = transformers.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=64)  # fmt: skip
+        model = transformers.Qwen2MoeForCausalLM(config)
+    guard = aegis.protect(model, optimizer=torch.optim.AdamW(model.parameters()), config=guard_config(tmp_path))
+    report = guard.coverage_report()
+    guard.close()  # the model's own modules again
+    protected = {site.name.rsplit(":", 1)[0] for site in guard.sites}
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) or name in protected:
+            continue
+        matrices = [p for p in module.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] > 1]
+        assert not matrices or "matrix parameters" in report.not_covered.get(name, ""), name
+
+
+def test_attention_a_model_computes_without_sdpa_is_named_not_covered_with_one_warning(tmp_path):
+    # transformers' 'eager' attention (Gemma2's only one) multiplies Q·Kᵀ and P·V itself: the
+    # router never sees it, so its modules are named at protect(), not left out silently
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, attn_implementation="eager")  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    spec = aegis.FaultSpec(site="model.layers.0.self_attn:attn_fwd", model="bitflip", bit=30, steps=(0,))
+    with pytest.warns(UserWarning, match="attention of 2 modules") as caught:
+        guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(spec,)))
+    assert sum("not checked" in str(w.message) for w in caught) == 1
+    ids = torch.randint(0, 128, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.warns(UserWarning, match="matches only sites that run unchecked, so it never fires"):
+        optimizer.step()  # a fault aimed at such a site is named, not silently a no-op
+    summary = guard.close()
+    attention = {f"model.layers.{i}.self_attn:{kind}" for i in range(2) for kind in ("attn_fwd", "attn_bwd")}
+    assert summary.attention_checks == 0 and set(summary.coverage["not_covered"]) == attention
+    assert all("'eager'" in summary.coverage["not_covered"][site] for site in attention)

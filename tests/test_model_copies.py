@@ -118,3 +118,42 @@ def test_a_linear_shared_by_two_parents_is_checked_under_both(tmp_path):
     # call's input needs no gradient (no dgrad): 8 checks
     assert summary.checks == 3 * 8 and summary.confirmed == 0
     assert type(model.a) is torch.nn.Linear and model.b.proj is model.a  # restored under both names
+
+
+def test_a_copy_made_right_after_protect_holds_no_guard(tmp_path):
+    # an EMA model made at the start of training, before the first forward: the guard's forward
+    # pre-hook (it watches for a missing step boundary until the first forward) is a no-op in it
+    model, data, optimizer = small_workload()
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    ema = copy.deepcopy(model)
+    assert _no_checked_linear(ema)
+    assert all(hook is detached_hook for m in ema.modules() for hook in m._forward_pre_hooks.values())
+    train(model, data, optimizer, 1)
+    assert guard.close().checks > 0
+
+
+def test_falcons_linear_is_protected_as_a_linear_and_copied_as_itself(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    model = transformers.FalconForCausalLM(config)
+    linears = [name for name, m in model.named_modules() if type(m) is FalconLinear]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    spec = aegis.FaultSpec(site="transformer.h.1.mlp.dense_4h_to_h:wgrad", model="bitflip", bit=27, steps=(5,), seed=1)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(spec,)))
+    assert {s.name.rsplit(":", 1)[0] for s in guard.sites} == set(linears) | {"lm_head"}
+    assert all(isinstance(model.get_submodule(name), FalconLinear) for name in linears)  # still one
+    copied = copy.deepcopy(model)
+    assert all(type(copied.get_submodule(name)) is FalconLinear for name in linears)
+    for _ in range(6):
+        ids = torch.randint(0, 128, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    summary = guard.close()
+    assert [(i.site.name, i.step) for i in guard.incidents] == [("transformer.h.1.mlp.dense_4h_to_h:wgrad", 5)]
+    assert summary.false_alarms == 0
+    assert not any("FalconLinear" in reason for reason in summary.coverage["not_covered"].values())
+    assert all(type(model.get_submodule(name)) is FalconLinear for name in linears)  # restored

@@ -334,6 +334,26 @@ def test_every_verdict_kind_reaches_the_console(caplog):
                   "NaN/Inf input", "false alarm", "2 rank-outlier warnings", "step 7"):  # fmt: skip
         assert words in line, (words, line)
     assert caplog.records[0].levelno == logging.ERROR
+    caplog.clear()
+    twice = [
+        Verdict(i, site, 8, kind) for kind in (VerdictKind.NONFINITE_INPUT, VerdictKind.UNATTRIBUTED) for i in (1, 2)
+    ]
+    StepConsole().step(8, twice, [], alarms=4, outlier_warnings=0)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "2 NaN/Inf inputs (from the data)" in line and "2 corruptions no device is blamed for" in line
+
+
+def test_nonfinite_inputs_after_a_confirmed_sdc_are_not_blamed_on_the_data(caplog):
+    from aegis_sdc.runtime.step import _log_nonfinite_inputs
+
+    caplog.set_level(logging.INFO, logger="aegis_sdc")
+    site = Site(0, "layers.0.mlp.up_proj", StateKind.PARAM)
+    verdicts = [Verdict(0, site, 6, VerdictKind.NONFINITE_INPUT)]
+    _log_nonfinite_inputs(StepConsole(), verdicts, None)
+    _log_nonfinite_inputs(StepConsole(), verdicts, 5)
+    before, after = (r.getMessage() for r in caplog.records)
+    assert "from the data, not the device" in before
+    assert "after the confirmed SDC of step 5" in after and "from the data" not in after
 
 
 def test_a_loop_without_a_step_boundary_is_named(tmp_path, monkeypatch):

@@ -63,9 +63,9 @@ from aegis_sdc.events import (
     VerdictKind,
 )
 from aegis_sdc.faults.injector import FaultInjector
-from aegis_sdc.integrations.attention import AttentionRouter
+from aegis_sdc.integrations.attention import AttentionRouter, attention_outside_sdpa
 from aegis_sdc.integrations.checkpointing import RecomputeChecker, SavedTensorChecker
-from aegis_sdc.integrations.modules import LinearFilter, restore_linears, select_linears, swap_linears
+from aegis_sdc.integrations.modules import GuardHook, LinearFilter, restore_linears, select_linears, swap_linears
 from aegis_sdc.kernels.reference import Tiling
 from aegis_sdc.ops.checked_linear import LinearHooks, PlanTracer
 from aegis_sdc.ops.fingerprint import FingerprintPool
@@ -240,6 +240,14 @@ class Guard:
         )
         if self._router is not None:
             self._router.install()
+            implementation, modules = attention_outside_sdpa(model)
+            if modules:  # one warning for all: the fix is the model's, not each layer's
+                reason = (f"transformers' {implementation!r} attention runs without scaled_dot_product_attention "
+                          "(where the model supports it, load it with attn_implementation='sdpa')")  # fmt: skip
+                for module in modules:
+                    self._uncovered_attention(module, reason, warn=False)
+                warnings.warn(f"aegis-sdc: the attention of {len(modules)} modules (e.g. {modules[0]}) is not "
+                              f"checked — {reason}", stacklevel=3)  # fmt: skip
         self.store.write_run(self.identity.to_dict(), config.to_dict(), _versions())
         self.step_recorder = StepRecorder(self.store, self.registry, self.injector, self.identity.rank)
         self.store.write_sites(self.registry.take_unwritten())
@@ -251,7 +259,9 @@ class Guard:
         self.responder.rollback = self._rollback
         self._handles = []
         self._forwards_at_start = 0
-        self._forward_watch = model.register_forward_pre_hook(self._count_forward)  # removed once moot
+        # removed once moot; a GuardHook, so that a copy of the model made meanwhile (an EMA model at
+        # the start) holds a no-op in its place, not the guard
+        self._forward_watch = model.register_forward_pre_hook(GuardHook(self._count_forward))
         self._handles.append(self._forward_watch)
         self.update_replay: UpdateReplay | None = None  # with an optimizer: its update replayed by slices
         if optimizer is not None:
@@ -321,7 +331,7 @@ class Guard:
             self._pending_events.append(("not_covered", message, self._site_id(f"{module}:fwd")))
             warnings.warn(f"aegis-sdc: {message}", stacklevel=4)
 
-    def _uncovered_attention(self, module: str, reason: str) -> None:
+    def _uncovered_attention(self, module: str, reason: str, warn: bool = True) -> None:
         """An attention module of the model whose calls stay unchecked: named once, in a warning and
         the coverage (its sites are registered so the report and the store can name them)."""
         if module not in self.uncovered_attention:
@@ -329,7 +339,8 @@ class Guard:
             self._attention_sensor(module)
             message = f"{module}: attention not checked — {reason}"
             self._pending_events.append(("not_covered", message, self._site_id(f"{module}:attn_fwd")))
-            warnings.warn(f"aegis-sdc: {message}", stacklevel=4)
+            if warn:
+                warnings.warn(f"aegis-sdc: {message}", stacklevel=4)
 
     def _attention_sensor(self, module: str) -> AttentionSensor:
         """The sensor of an attention module, made at its first checked call (sites in call order)."""

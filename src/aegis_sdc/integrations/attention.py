@@ -73,6 +73,21 @@ def unchecked_reason(q, k, attn_mask, dropout_p: float, is_causal: bool) -> str 
     return None
 
 
+def attention_outside_sdpa(model: nn.Module) -> tuple[str, list[str]]:
+    """A Hugging Face model whose attention implementation is not SDPA ('eager', 'flash_attention_2',
+    'flex_attention', ...) computes attention without `scaled_dot_product_attention`, so the router
+    never sees it: (the implementation, its attention modules — the outermost module of each whose
+    class name ends in 'Attention'), or ("", []) for any other model."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not isinstance(implementation, str) or implementation == "sdpa":
+        return "", []
+    modules: list[str] = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("Attention") and not any(name.startswith(f"{m}.") for m in modules):
+            modules.append(name)
+    return implementation, modules
+
+
 class AttentionRouter:
     def __init__(self, model: nn.Module, sensor_for: Callable[[str], AttentionSensor], tracer: PlanTracer,
                  uncovered: Callable[[str, str], None] | None = None) -> None:  # fmt: skip

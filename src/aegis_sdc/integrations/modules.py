@@ -136,6 +136,36 @@ def is_hf_conv1d(module: nn.Module) -> bool:
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
 
 
+# Subclasses of nn.Linear whose forward is F.linear by another name, matched by module and class name
+# (transformers is optional): protected like nn.Linear. Other subclasses (quantized, LoRA) change
+# what the layer computes and stay unprotected, named in the coverage report.
+LINEAR_EQUIVALENT = {("transformers.models.falcon.modeling_falcon", "FalconLinear")}  # x @ W.T + b
+
+
+def is_linear_equivalent(module: nn.Module) -> bool:
+    cls = type(module)
+    return (cls.__module__, cls.__name__) in LINEAR_EQUIVALENT
+
+
+_CHECKED_LINEAR: dict[type, type] = {}
+
+
+def checked_linear_class(base: type) -> type:
+    """The checked subclass of a Linear-equivalent class (`LINEAR_EQUIVALENT`): CheckedLinear's forward
+    on the class itself, so that copies and pickles of a protected model keep the user's class."""
+    cls = _CHECKED_LINEAR.get(base)
+    if cls is None:
+
+        def extra_repr(self) -> str:
+            return base.extra_repr(self) + ", checked=True"
+
+        members = {"forward": CheckedLinear.forward, "wrap": classmethod(CheckedLinear.wrap.__func__),
+                   "extra_repr": extra_repr, "__reduce_ex__": CheckedLinear.__reduce_ex__,
+                   "__module__": __name__}  # fmt: skip
+        cls = _CHECKED_LINEAR[base] = type(f"Checked{base.__name__}", (base,), members)
+    return cls
+
+
 _CHECKED_CONV1D: dict[type, type] = {}
 
 
@@ -191,8 +221,9 @@ def select_linears(
     """The Linears to protect, in module order (identical on every rank)."""
     chosen = []
     for name, module in model.named_modules():
-        # subclasses (quantized, LoRA, ...) have other semantics; HF's Conv1D is a transposed Linear
-        if type(module) is not nn.Linear and not is_hf_conv1d(module):
+        # subclasses (quantized, LoRA, ...) have other semantics, but for the Linear-equivalent ones;
+        # HF's Conv1D is a transposed Linear
+        if type(module) is not nn.Linear and not is_linear_equivalent(module) and not is_hf_conv1d(module):
             continue
         label = name or "<root>"
         if not any(fnmatch.fnmatchcase(label, p) for p in include):
@@ -215,7 +246,12 @@ def swap_linears(model: nn.Module, chosen: list[tuple[str, nn.Linear]], make_hoo
             places.setdefault(id(child), []).append((parent, attr))
     swaps = []
     for name, linear in chosen:
-        cls = CheckedLinear if type(linear) is nn.Linear else checked_conv1d_class(type(linear))
+        if type(linear) is nn.Linear:
+            cls = CheckedLinear
+        elif is_linear_equivalent(linear):
+            cls = checked_linear_class(type(linear))
+        else:
+            cls = checked_conv1d_class(type(linear))
         checked = cls.wrap(linear, name, make_hooks(name, linear))
         for parent, attr in places[id(linear)]:
             setattr(parent, attr, checked)

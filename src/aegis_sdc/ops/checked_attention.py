@@ -100,7 +100,8 @@ def mask_problem(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, read_rows
     if not (mask.dtype == torch.bool or mask.is_floating_point()):
         return f"an attn_mask of dtype {mask.dtype}"
     if mask.requires_grad:
-        return "an attn_mask that requires grad (a learned bias)"
+        # T5's position bias, or a mask a checkpointed segment made require grad: the op gives no dMask
+        return "an attn_mask that requires grad (the checked op computes no gradient for the mask)"
     try:
         torch.broadcast_shapes(mask.shape, target)
     except RuntimeError:

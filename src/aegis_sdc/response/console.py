@@ -26,13 +26,13 @@ PER_MINUTE = 30.0
 # Incidents named on lines of their own per step; the step's summary line counts the rest.
 INCIDENT_LINES_PER_STEP = 3
 
-_VERDICT_WORDS = {
-    VerdictKind.CONFIRMED_SDC: "confirmed SDC",
-    VerdictKind.UNATTRIBUTED: "corruption no device is blamed for",
-    VerdictKind.NOT_VERIFIABLE: "not verifiable",
-    VerdictKind.NOT_DETERMINISTIC: "not deterministic",
-    VerdictKind.NONFINITE_INPUT: "NaN/Inf input (from the data)",
-    VerdictKind.FALSE_ALARM: "false alarm",
+_VERDICT_WORDS = {  # (one, several)
+    VerdictKind.CONFIRMED_SDC: ("confirmed SDC", "confirmed SDCs"),
+    VerdictKind.UNATTRIBUTED: ("corruption no device is blamed for", "corruptions no device is blamed for"),
+    VerdictKind.NOT_VERIFIABLE: ("not verifiable", "not verifiable"),
+    VerdictKind.NOT_DETERMINISTIC: ("not deterministic", "not deterministic"),
+    VerdictKind.NONFINITE_INPUT: ("NaN/Inf input (from the data)", "NaN/Inf inputs (from the data)"),
+    VerdictKind.FALSE_ALARM: ("false alarm", "false alarms"),
 }
 
 
@@ -96,7 +96,7 @@ class StepConsole:
             self.emit(logging.ERROR, incident.describe())
         kinds = Counter(v.kind for v in verdicts)
         order = list(_VERDICT_WORDS)
-        parts = [f"{n} {_VERDICT_WORDS[kind]}{'s' if n != 1 and kind is not VerdictKind.NOT_VERIFIABLE else ''}"
+        parts = [f"{n} {_VERDICT_WORDS[kind][n != 1]}"
                  for kind, n in sorted(kinds.items(), key=lambda item: order.index(item[0]))]  # fmt: skip
         if alarms:
             parts.insert(0, f"{alarms} alarm{'s' if alarms != 1 else ''} raised")

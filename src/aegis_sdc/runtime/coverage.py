@@ -5,10 +5,12 @@ Two parts. At `protect()` the model's modules are read: the protected ones count
 other module that does matmul work named with the reason (`unprotected_modules`) — a subclass of
 `nn.Linear` (quantized, LoRA: other semantics), `nn.MultiheadAttention` (its projections run inside
 `F.multi_head_attention_forward`), `nn.Bilinear`, convolutions, a Linear left out by
-`include`/`exclude`/`filter`. After a step has run, the FLOPs are known from the calls themselves:
-per step, each GEMM site's 2·M·N·K times its calls and each attention module's FLOPs (forward and
-backward); the checked share is what the step's sampling actually checked. `Guard.coverage_report()`
-builds it; the guard logs it once, after the first step.
+`include`/`exclude`/`filter`, and any other module holding matrix parameters of its own (MoE experts
+run by grouped matmuls, routers, custom layers). After a step has run, the FLOPs are known from the
+calls themselves: per step, each GEMM site's 2·M·N·K times its calls and each attention module's
+FLOPs (forward and backward); the checked share is what the step's sampling actually checked, of
+the protected modules' FLOPs (the unprotected modules' are not known: the report says how many
+there are). `Guard.coverage_report()` builds it; the guard logs it once, after the first step.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ class CoverageReport:
         modules = ", ".join(f"{count} {kind}" for kind, count in sorted(self.protected.items()))
         lines = [f"protected: {modules or 'nothing'}"]
         if self.gemm_flops or self.attention_flops:
+            unprotected = sum(":" not in name for name in self.not_covered)  # modules, not sites
+            of_what = f" (not counting {unprotected} unprotected modules)" if unprotected else ""
             lines.append(
                 f"matmul FLOPs per step: {self.gemm_flops:.3g} in GEMMs, {self.attention_flops:.3g} in attention; "
-                f"{self.checked_share:.1%} checked in the last step"
+                f"{self.checked_share:.1%} of them checked in the last step{of_what}"
             )
         for name, reason in sorted(self.not_covered.items()):
             lines.append(f"not covered: {name} — {reason}")
@@ -67,7 +71,22 @@ def unprotected_modules(model: nn.Module, protected: set[int]) -> dict[str, str]
             reason = f"{kind}, a convolution (not checked)"
         elif kind == "Conv1D" and type(module).__module__.startswith("transformers."):
             reason = "Hugging Face Conv1D left out by GuardConfig.include/exclude or the filter"
+        elif isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            continue  # a lookup, not a matmul (a tied output head is an nn.Linear of its own)
+        elif matrices := _matrix_parameters(module):
+            # MoE experts ([experts, out, in] run by grouped matmuls), routers (F.linear on a weight
+            # of their own), custom layers: matrices this module multiplies by are no Linear the
+            # guard can swap
+            reason = f"{kind} holds matrix parameters ({matrices}) that no checked op multiplies by"
         else:
             continue
         found[label] = reason
     return found
+
+
+def _matrix_parameters(module: nn.Module) -> str:
+    """The module's own parameters of two or more dimensions, as 'name [shape]' (not its children's);
+    a leading dimension of 1 marks a tensor added by broadcasting (a class token, a position table
+    [1, T, D]), not a matrix."""
+    params = module.named_parameters(recurse=False)
+    return ", ".join(f"{name} {list(p.shape)}" for name, p in params if p.dim() >= 2 and p.shape[0] > 1)

@@ -62,6 +62,7 @@ class StepRuntime:
         self.guard = guard
         self.counts: Counter[str] = Counter()
         self.incidents: BoundedLog[Incident] = BoundedLog()  # the latest; the store has them all
+        self.first_incident_step: int | None = None  # of the run's first confirmed SDC
         self.outlier_warnings: BoundedLog[OutlierWarning] = BoundedLog()
         self.listeners: list[Listener] = []
         self.pending_evidence: dict[int, Evidence] = {}  # vTask id → its evidence, until verified
@@ -355,7 +356,9 @@ class StepRuntime:
                 write_incident_evidence(g.run_dir, incident, g.verifier.kept.pop(verdict.vtask_id, None),
                                         g.evidence_budget)  # fmt: skip
         self.incidents.extend(report.incidents)
-        _log_nonfinite_inputs(g.console, report.verdicts)
+        if report.incidents and self.first_incident_step is None:
+            self.first_incident_step = min(incident.step for incident in report.incidents)
+        _log_nonfinite_inputs(g.console, report.verdicts, self.first_incident_step)
 
     # -- record and respond ------------------------------------------------------------------------
     def record(self, report: StepReport) -> None:
@@ -417,19 +420,30 @@ class StepRuntime:
         g = self.guard
         self.fault_sites_named = True
         names = [sensor.site.name for sensor in g.registry.gemm] + [site.name for site in g.registry.extra]
+        not_covered = g.coverage_report().not_covered  # sites that exist but run unchecked
         rank = g.identity.rank
         for spec in g.injector.specs:
-            if (not spec.ranks or rank in spec.ranks) and not any(spec.matches(name, rank) for name in names):
+            if spec.ranks and rank not in spec.ranks:
+                continue
+            matched = [name for name in names if spec.matches(name, rank)]
+            if not matched:
                 examples = ", ".join(repr(name) for name in names[:3])
                 message = (f"fault spec site {spec.site!r} matches no protected site, so it never fires; sites "
                            f"are named like {examples} (fnmatch patterns allowed)")  # fmt: skip
-                warnings.warn(f"aegis-sdc: {message}", stacklevel=2)
-                report.events.append(("fault_unmatched", message, None))
+            elif all(name in not_covered for name in matched):
+                message = (f"fault spec site {spec.site!r} matches only sites that run unchecked, so it never "
+                           f"fires: {matched[0]} — {not_covered[matched[0]]}")  # fmt: skip
+            else:
+                continue
+            warnings.warn(f"aegis-sdc: {message}", stacklevel=2)
+            report.events.append(("fault_unmatched", message, None))
 
 
-def _log_nonfinite_inputs(console: StepConsole, verdicts: list[Verdict]) -> None:
-    """NaN/Inf in a checked call's inputs is the data's doing (an overflow, a bad batch), not the
-    device's: one console line per step that had any, naming the sites — the store has every one."""
+def _log_nonfinite_inputs(console: StepConsole, verdicts: list[Verdict], first_incident_step: int | None) -> None:
+    """NaN/Inf in a checked call's inputs came before the call: from the data (an overflow, a bad
+    batch), or — once an SDC was confirmed and its corruption let through (a `warn` policy) — from
+    that corruption spreading. Not judged again either way: one console line per step that had any,
+    naming the sites — the store has every one."""
     by_step: dict[int, list[str]] = {}
     for verdict in verdicts:
         if verdict.kind is VerdictKind.NONFINITE_INPUT:
@@ -437,8 +451,10 @@ def _log_nonfinite_inputs(console: StepConsole, verdicts: list[Verdict]) -> None
     for step, names in sorted(by_step.items()):
         sites = list(dict.fromkeys(names))
         shown = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
-        console.emit(
-            logging.WARNING,
-            f"step {step}: NaN/Inf in the inputs of {len(names)} checked "
-            f"call{'' if len(names) == 1 else 's'} at {shown} — from the data, not the device (not an SDC)",
-        )
+        if first_incident_step is not None and first_incident_step <= step:
+            source = (f"after the confirmed SDC of step {first_incident_step}, likely its corruption spreading "
+                      "(not judged again)")  # fmt: skip
+        else:
+            source = "from the data, not the device (not an SDC)"
+        console.emit(logging.WARNING, f"step {step}: NaN/Inf in the inputs of {len(names)} checked "
+                                      f"call{'' if len(names) == 1 else 's'} at {shown} — {source}")  # fmt: skip
