@@ -13,8 +13,9 @@ flight.
                replays, peer replays); an alarm becomes a vTask with its replay context;
   - `exchange` with data-parallel ranks, the step's one collective: every rank's largest differences
                (rank-outlier warnings), the collectives' checks, the replicas' state vote;
-  - `verify`   replays what is due (runtime budget) and acts on each verdict: a false alarm widens its
-               site's threshold, a confirmed SDC becomes an incident with its evidence files;
+  - `verify`   replays what is due (verify/verifier.py, within VerifyConfig's time budget) and
+               acts on each verdict: a false alarm widens its site's threshold, a confirmed SDC
+               becomes an incident with its evidence files;
   - `record`   one store transaction per step (runtime/record.py, written off the training thread);
   - `respond`  tells the listeners, then the policy acts (response/policies.py), which may raise
                before the update lands: after the record, so nothing found is lost.
