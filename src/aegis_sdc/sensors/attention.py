@@ -113,8 +113,11 @@ class AttentionCapture:
             if _same(first, saved):
                 continue
             found = ""
-            if self.backward and name == "forward":
-                found = " (found by the backward check: the saved lse was wrong)"
+            if self.backward and name == "forward":  # the backward ran on a wrong saved output or lse
+                parts = zip(("output", "lse"), first, saved, strict=True)
+                wrong = [part for part, replayed, kept in parts if not _same((replayed,), (kept,))]
+                verb = "were" if len(wrong) > 1 else "was"
+                found = f" (found by the backward check: the saved {' and '.join(wrong)} {verb} wrong)"
             if _same(first, second):
                 return (
                     VerdictKind.CONFIRMED_SDC,
