@@ -1,9 +1,9 @@
 """One guard's certified checkpoints and its rollback (the rules: response/checkpoints.py).
 
-The guard tells this book what each step end learned — the confirmed incidents (`note_incidents`),
-the steps still waiting for a verdict and whether the replicas' vote has judged a state
-(`decide`) — and the book keeps every certificate of the run decided as far as that allows: written
-beside its checkpoint and to the store at each change of status. The `rollback` policy asks it for
+Each step end tells it what the step learned — the confirmed incidents (`note_incidents`), the steps
+still waiting for a verdict and whether the replicas' vote has judged a state (`decide`) — and it
+keeps every certificate of the run decided as far as that allows: written beside its checkpoint and
+to the store at each change of status. The `rollback` policy asks it for
 the latest certified state and restores it.
 """
 
