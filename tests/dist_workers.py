@@ -255,6 +255,12 @@ def guarded_training(rank: int, world: int, rendezvous: str, out: str, options: 
                 if rank == corruption["rank"]:
                     corrupt_state(model, optimizer, corruption)
                 result["losses"] += train(model, data, optimizer, options.get("steps", 24) - corruption["step"])
+            elif options.get("checkpoint_steps"):  # a checkpoint by every rank after these steps' updates
+                result["losses"] = []
+                for _ in range(options.get("steps", 24)):
+                    result["losses"] += train(model, data, optimizer, 1)
+                    if guard.step_number in options["checkpoint_steps"]:
+                        guard.save_checkpoint(Path(out, f"rank{rank}-step{guard.step_number}.pt"))
             else:
                 result["losses"] = train(model, data, optimizer, options.get("steps", 24))
         except aegis.RankExchangeError as error:
@@ -278,6 +284,7 @@ def guarded_training(rank: int, world: int, rendezvous: str, out: str, options: 
             result["relaxations"] = sum(s.row.relaxations + s.col.relaxations for s in guard.sensors)
             if "exchange_error" not in result:
                 result["summary"] = guard.close().to_dict()
+                result["certificates"] = [(c.step, c.status, c.reason) for c in guard.certificates]
     finally:
         Path(out, f"result{rank}.json").write_text(json.dumps(result))
     if "exchange_error" in result:

@@ -97,6 +97,32 @@ def test_rollback_ends_bit_identical_to_the_run_without_the_fault(tmp_path):
     assert [(r["step"], r["status"]) for r in stored] == [(4, "certified"), (8, "certified"), (12, "certified")]
 
 
+def test_a_rollback_passes_over_a_damaged_checkpoint_to_the_certified_one_before(tmp_path):
+    model, data, optimizer = small_workload()
+    inputs = batches(data, STEPS)
+    config = aegis.GuardConfig(run_dir=str(tmp_path / "run"), faults=(FAULT,),
+                               response=aegis.ResponseConfig(policy="rollback"))  # fmt: skip
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    positions = []
+    guard.on_rollback(lambda step, extra: positions.append(step))
+    while guard.step_number < 10:
+        one_step(model, optimizer, *inputs[guard.step_number])
+        if guard.step_number in (4, 8):
+            guard.save_checkpoint(tmp_path / f"ckpt-{guard.step_number}.pt")
+    damaged = tmp_path / "ckpt-8.pt"
+    damaged.write_bytes(damaged.read_bytes()[:1000])  # truncated on disk after it was certified
+    with pytest.warns(aegis.SilentDataCorruptionWarning):
+        one_step(model, optimizer, *inputs[10])  # step 10's fault: rolled back, to step 4's state
+    summary = guard.close()
+    assert positions == [4] and guard.rollbacks == 1 and summary.confirmed == 1
+    for name, value in load_state(tmp_path / "ckpt-4.pt")["model"].items():
+        assert torch.equal(model.state_dict()[name], value), name
+    statuses = {c.step: (c.status, c.reason) for c in guard.certificates}
+    assert statuses[4][0] == "certified" and statuses[8][0] == "uncertified"
+    assert "unreadable when a rollback needed it" in statuses[8][1]
+    assert read_certificate(damaged).status == "uncertified"
+
+
 def test_a_checkpoint_after_a_corrupted_update_is_never_certified(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", aegis.SilentDataCorruptionWarning)
@@ -276,3 +302,29 @@ def test_a_caller_certified_checkpoint_without_a_restore_is_not_rolled_back_to(t
             guard.certify(tmp_path / "mine.pt", model.state_dict())
     guard.close()
     assert guard.certificates[0].certified and guard.rollbacks == 0
+
+
+@pytest.mark.parametrize("edit", ["emptied fingerprints", "no fingerprints", "bogus status", "step in words", "a list"])
+def test_a_hand_edited_certificate_is_refused_not_trusted(tmp_path, edit):
+    model, data, optimizer = small_workload()
+    guard = aegis.protect(model, optimizer=optimizer, config=aegis.GuardConfig(run_dir=str(tmp_path / "run")))
+    one_step(model, optimizer, *data.batch())
+    path = tmp_path / "ckpt.pt"
+    certificate = guard.save_checkpoint(path)
+    guard.close()
+    on_disk = Path(str(path) + ".aegis-certificate.json")
+    assert certificate.certified and read_certificate(path).certified and load_state(path)["step"] == 1
+    content = json.loads(on_disk.read_text())
+    if edit == "emptied fingerprints":
+        content["fingerprints"] = {}
+    elif edit == "no fingerprints":
+        del content["fingerprints"]
+    elif edit == "bogus status":
+        content["status"] = "bogus"
+    elif edit == "step in words":
+        content["step"] = "nine"
+    else:
+        content = [1, 2]
+    on_disk.write_text(json.dumps(content))
+    with pytest.raises(CheckpointError, match=r"ckpt\.pt"):
+        load_state(path)  # what a rollback and a resume read

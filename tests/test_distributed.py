@@ -92,6 +92,22 @@ def test_a_faulty_rank_is_named_by_its_incident_and_by_a_majority_never_by_a_pai
 
 
 @pytest.mark.slow
+def test_one_ranks_confirmed_sdc_withholds_every_ranks_certificates_of_the_states_after_it(tmp_path):
+    # Rank 1's forward at step 22 is wrong: its gradient, all-reduced, corrupts both replicas' update
+    # (the replicas still agree, so their vote cannot tell). Rank 0 learns it in the next exchange.
+    fault = {"site": SITE, "model": "bitflip", "bit": 27, "steps": (22,), "ranks": (1,)}
+    options = {"faults": [fault], "steps": 26, "checkpoint_steps": [20, 22, 23, 25]}
+    results = run_workers(dist_workers.guarded_training, 2, tmp_path, options)
+    assert [(i["site"], i["step"]) for r in results for i in r["incidents"]] == [(SITE, 22)]
+    for r in results:
+        statuses = {step: status for step, status, _ in r["certificates"]}
+        # 20 and 22 hold updates of steps before 22; 23 and 25 hold step 22's update
+        assert statuses == {20: "certified", 22: "certified", 23: "uncertified", 25: "uncertified"}, r["rank"]
+        reasons = {step: reason for step, _, reason in r["certificates"]}
+        assert "from step 23" in reasons[23] and "from step 23" in reasons[25]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_clean_data_parallel_training_raises_nothing(parallel, tmp_path):
     options = {"steps": 30, "sampling": 0.5, "parallel": parallel}

@@ -28,7 +28,7 @@ from aegis_sdc.events import Site, StateKind, Verdict, VerdictKind
 from aegis_sdc.response.console import BURST, PER_MINUTE, RateLimiter, StepConsole
 from aegis_sdc.response.quarantine import append_quarantine, read_quarantine
 from aegis_sdc.runtime.record import StoreWriter
-from aegis_sdc.store.sqlite import Store, StoreInUseError, rank_db_path, read_incidents
+from aegis_sdc.store.sqlite import Store, StoreError, StoreInUseError, rank_db_path, read_incidents
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = "layers.0.attn.wq:fwd"
@@ -385,3 +385,24 @@ def test_a_with_block_under_the_raise_policy_keeps_the_users_exception(tmp_path)
     with pytest.raises(aegis.SilentDataCorruptionError), aegis.protect(model, config=config):
         model(data.batch()[0])
     json.dumps(raised.value.__notes__)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_protect_on_a_damaged_store_names_the_file(tmp_path, damage):
+    run = tmp_path / "run"
+    store = Store(rank_db_path(run, 0), lock=True)
+    store.close()
+    path = rank_db_path(run, 0)
+    path.write_bytes(b"not a database at all" * 100 if damage == "garbage" else path.read_bytes()[:200])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(StoreError, match=f"{path.name} is not a readable aegis store"):
+        aegis.protect(model, config=aegis.GuardConfig(run_dir=str(run)))
+    assert type(model[0]) is torch.nn.Linear  # left as it was
+
+
+def test_a_run_dir_that_is_a_file_is_named(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(StoreError, match="is a file, not a directory"):
+        aegis.protect(torch.nn.Sequential(torch.nn.Linear(8, 8)), config=aegis.GuardConfig(run_dir=str(afile)))
+    assert afile.read_text() == "mine"

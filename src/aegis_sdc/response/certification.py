@@ -24,6 +24,7 @@ from aegis_sdc.response.checkpoints import (
     PENDING,
     UNCERTIFIED,
     Certificate,
+    CheckpointError,
     certificate_path,
     fingerprints,
     latest_certified,
@@ -61,6 +62,10 @@ class Certification:
         self.certificates: list[Certificate] = []
         self.corrupt_from: int | None = None  # the first state a confirmed SDC not rolled back corrupted
         self.vote_judged_step = -1  # the latest step whose state the replicas' vote judged
+        # under data parallelism, what the step exchange brought of every rank (`peers_known`): the
+        # latest step exchanged, and the oldest step some rank still has a vTask of unverified
+        self.exchanged_through = -1
+        self.peers_pending_from: int | None = None
         self.rolled_back_to: int | None = None  # set by a rollback: the next step to run
         self.rollbacks = 0
         self.on_rollback: Callable[[int, Any], None] | None = None
@@ -96,11 +101,26 @@ class Certification:
             first = min(steps)
             self.corrupt_from = first if self.corrupt_from is None else min(self.corrupt_from, first)
 
-    def decide(self, pending_steps: list[int], *, voting: bool, final: bool, only: int | None = None) -> None:
+    def peers_known(self, step: int, corrupt_from: int, pending_from: int, none: int) -> None:
+        """The step exchange of `step` (data parallelism): the first state a confirmed SDC on any rank
+        corrupted and the oldest step any rank has a vTask of unverified (`none`: no such step). A
+        corrupted update reaches every replica through the all-reduced gradients, so one rank's
+        incident withholds every rank's certificates of the states after it."""
+        if corrupt_from != none:
+            self.corrupt_from = corrupt_from if self.corrupt_from is None else min(self.corrupt_from, corrupt_from)
+        self.peers_pending_from = None if pending_from == none else pending_from
+        self.exchanged_through = max(self.exchanged_through, step)
+
+    def decide(self, pending_steps: list[int], *, voting: bool, final: bool, only: int | None = None,
+               ranks: bool = False) -> None:  # fmt: skip
         """Decide what can be decided of the pending certificates (and withdraw a certified one an
         incident found later makes unsafe). `pending_steps`: the steps of the vTasks not verified yet;
         `voting`: the replicas vote on their state, so a state is certified only once its vote was
-        judged; `final`: at close, what is still pending is uncertified."""
+        judged; `ranks`: under data parallelism a state of step s is certified only once the step
+        exchange of step s has told every rank's incidents and unverified vTasks of the steps before
+        it (`peers_known`); `final`: at close, what is still pending is uncertified."""
+        if ranks and self.peers_pending_from is not None:
+            pending_steps = [*pending_steps, self.peers_pending_from]
         indices = range(len(self.certificates)) if only is None else [only]
         for i in indices:
             c = self.certificates[i]
@@ -115,6 +135,10 @@ class Certification:
                 continue
             elif unverified:
                 reason = f"{unverified} vTask(s) of earlier steps not verified yet"
+                decided = c.decided(UNCERTIFIED if final else PENDING, reason, verified_through)
+            elif ranks and self.exchanged_through < c.step:
+                when = "were never exchanged" if final else f"are exchanged at the end of step {c.step}"
+                reason = f"the other ranks' verdicts on the steps before this state {when}"
                 decided = c.decided(UNCERTIFIED if final else PENDING, reason, verified_through)
             elif voting and self.vote_judged_step < c.step:
                 when = "was never judged" if final else f"is judged at the end of step {c.step + 1}"
@@ -137,24 +161,36 @@ class Certification:
             log.info("aegis-sdc: checkpoint %s (step %d): %s%s", certificate.path, certificate.step,
                      certificate.status, f" — {certificate.reason}" if certificate.reason else "")  # fmt: skip
 
+    def _withdraw(self, certificate: Certificate, reason: str) -> None:
+        i = next(i for i, c in enumerate(self.certificates) if c is certificate)
+        self.certificates[i] = certificate.decided(UNCERTIFIED, reason, certificate.verified_through)
+        self._write(self.certificates[i])
+        log.error("aegis-sdc: checkpoint %s: %s", certificate.path, reason)
+
     # -- rolling back -------------------------------------------------------------------------------
     def rollback(self, step: int, optimizer: torch.optim.Optimizer | None) -> bool:
         """Restore the latest certified checkpoint at `step` (the step that confirmed an SDC; decide
         first, so that the incident just noted withdraws what it corrupts). False when there is none
         the guard can restore: its own `save_checkpoint` files, or the caller's with a `restore`."""
-        usable = [c for c in self.certificates if c.saved_by == "aegis" or self.restore is not None]
-        certificate = latest_certified(usable)
-        if certificate is None:
-            return False
-        if certificate.saved_by == "aegis":
-            state = load_state(certificate.path)
+        while True:
+            usable = [c for c in self.certificates if c.saved_by == "aegis" or self.restore is not None]
+            certificate = latest_certified(usable)
+            if certificate is None:
+                return False
+            if certificate.saved_by != "aegis":
+                extra = self.restore(certificate.path)
+                break
+            try:  # read and checked against its certificate before anything is loaded
+                state = load_state(certificate.path)
+            except CheckpointError as error:  # damaged since: withdrawn, and the one before is tried
+                self._withdraw(certificate, f"unreadable when a rollback needed it: {error}")
+                continue
             self.model.load_state_dict(state["model"])
             if optimizer is not None and state["optimizer"] is not None:
                 optimizer.load_state_dict(state["optimizer"])
             set_rng_states(state["rng"])
             extra = state.get("extra")
-        else:
-            extra = self.restore(certificate.path)
+            break
         if optimizer is not None:
             for group in optimizer.param_groups:  # the step in flight must not apply its update
                 for param in group["params"]:

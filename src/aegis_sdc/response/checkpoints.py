@@ -114,13 +114,37 @@ def write_certificate(certificate: Certificate) -> None:
 
 
 def read_certificate(checkpoint: str | os.PathLike) -> Certificate | None:
+    """The certificate beside `checkpoint` (None: it has none); CheckpointError for a file that is not
+    one — unreadable JSON, or fields a certificate cannot hold (an edited status, a step that is no
+    int, fingerprints that are no table of names)."""
     path = certificate_path(checkpoint)
     try:
-        return Certificate.from_dict(json.loads(path.read_text()))
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (ValueError, TypeError) as error:
+    except (ValueError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path}: not a certificate ({error})") from error
+    problem = _certificate_problem(data)
+    if problem is not None:
+        raise CheckpointError(f"{path}: not a certificate ({problem})")
+    return Certificate.from_dict(data)
+
+
+def _certificate_problem(data: Any) -> str | None:
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    for name in ("path", "step", "status", "reason", "verified_through"):
+        if name not in data:
+            return f"no {name!r}"
+    if data["status"] not in (CERTIFIED, PENDING, UNCERTIFIED):
+        return f"status {data['status']!r}"
+    for name in ("step", "verified_through"):
+        if type(data[name]) is not int:
+            return f"{name} {data[name]!r} is not an int"
+    fingerprints = data.get("fingerprints", {})
+    if not isinstance(fingerprints, dict) or not all(isinstance(v, str) for v in fingerprints.values()):
+        return "fingerprints are not a table of tensor names to hex values"
+    return None
 
 
 def rng_states() -> dict[str, Any]:
@@ -164,7 +188,7 @@ def load_state(path: str | os.PathLike, *, verify: bool = True) -> dict[str, Any
     except Exception as error:
         raise CheckpointError(f"{path}: not a readable checkpoint ({error})") from error
     certificate = read_certificate(path) if verify else None
-    if certificate is not None and certificate.fingerprints:
+    if certificate is not None:  # an emptied fingerprint table names no tensor: every tensor is "missing"
         _check_fingerprints(path, certificate, state)
     return state
 

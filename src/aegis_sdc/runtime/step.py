@@ -54,6 +54,7 @@ log = logging.getLogger("aegis_sdc")
 Listener = Callable[[str, Any], None]
 Alarm = Callable[[Evidence, object], None]
 COMM_SLOTS = 256  # collectives exchanged per step (the exchange tensor has a fixed shape)
+NO_STEP = 2**62  # "no such step" in the exchange (a min over ranks ignores it)
 
 
 class StepRuntime:
@@ -277,12 +278,20 @@ class StepRuntime:
         if g.state_vote is not None:  # a fixed width on every rank, zeros when no vote was taken
             width = g.state_vote.width
             sent = torch.cat((sent, vote.values(width) if vote else torch.zeros(width, dtype=torch.int64)))
+        # what this rank knows of the replicas' common state, for every rank's certificates: the first
+        # state a confirmed SDC here corrupted (all-reduced gradients carry it to every replica) and
+        # the oldest step with a vTask here still unverified (NO_STEP: none)
+        certification = g.certification
+        corrupt = certification.corrupt_from if certification.corrupt_from is not None else NO_STEP
+        pending = min((e.step for e in self.pending_evidence.values()), default=NO_STEP)
         stretch = g.budget.sensor_stretch if g.budget is not None else 1
-        everyone = g.dist.all_gather(torch.cat((sent, torch.tensor([stretch], dtype=torch.int64))), step)
+        tail = torch.tensor([corrupt, pending, stretch], dtype=torch.int64)
+        everyone = g.dist.all_gather(torch.cat((sent, tail)), step)
         gathered = everyone[:, : len(values) + COMM_SLOTS].contiguous().view(torch.float64)
         if vote is not None:
-            self._judge_vote(vote, everyone[:, len(values) + COMM_SLOTS : -1], report, evidence_of)
-            g.certification.vote_judged_step = max(g.certification.vote_judged_step, vote.step)
+            self._judge_vote(vote, everyone[:, len(values) + COMM_SLOTS : -3], report, evidence_of)
+            certification.vote_judged_step = max(certification.vote_judged_step, vote.step)
+        certification.peers_known(step, int(everyone[:, -3].min()), int(everyone[:, -2].min()), NO_STEP)
         g._adopt_sensor_stretch(int(everyone[:, -1].max()), report)
         n = len(g.sensors)
         cfg = g.config.distributed

@@ -189,11 +189,18 @@ class Store:
 
     def __init__(self, path: str | os.PathLike, *, lock: bool = False) -> None:
         self.path = Path(path)
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise StoreError(f"the run directory {self.path.parent} is a file, not a directory (GuardConfig.run_dir)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _take_writer_lock(self.path) if lock else None
         try:
             self.conn = _connect(self.path)
             _migrate(self.conn, self.path)
+        except sqlite3.DatabaseError as error:  # a damaged or foreign file: named, never overwritten
+            self._release_lock()
+            why = f"{self.path} is not a readable aegis store ({error})"
+            raise StoreError(f"{why}; move it away or choose another GuardConfig.run_dir (`aegis incidents` "
+                             "shows what can still be read)") from error  # fmt: skip
         except BaseException:
             self._release_lock()
             raise
