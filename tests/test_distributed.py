@@ -13,7 +13,7 @@ import pytest
 import torch
 from tests import dist_workers
 
-from aegis_sdc.store.sqlite import read_incidents, read_unattributed, read_warnings
+from aegis_sdc.store.sqlite import read_coverage, read_incidents, read_unattributed, read_warnings
 
 # gloo ranks of their own: one such test at a time (pyproject.toml, xdist_group)
 pytestmark = pytest.mark.xdist_group("processes")
@@ -105,6 +105,8 @@ def test_one_ranks_confirmed_sdc_withholds_every_ranks_certificates_of_the_state
         assert statuses == {20: "certified", 22: "certified", 23: "uncertified", 25: "uncertified"}, r["rank"]
         reasons = {step: reason for step, _, reason in r["certificates"]}
         assert "from step 23" in reasons[23] and "from step 23" in reasons[25]
+    coverage = read_coverage(tmp_path / "run")  # `aegis incidents`' line: steps, not rank-steps
+    assert coverage["steps"] == 26 and coverage["ranks"] == 2
 
 
 @pytest.mark.slow

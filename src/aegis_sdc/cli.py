@@ -503,8 +503,9 @@ def _print_incidents(
     )
     if coverage["checked_flops_fraction"] is not None:
         console.print(
-            f"checked {coverage['checked_flops_fraction']:.1%} of the GEMM FLOPs over {coverage['steps']} steps "
-            f"(per step {coverage['per_step_min']:.1%}–{coverage['per_step_max']:.1%})"
+            f"checked {coverage['checked_flops_fraction']:.1%} of the GEMM FLOPs over {coverage['steps']} steps"
+            + (f" of {coverage['ranks']} ranks" if coverage["ranks"] > 1 else "")
+            + f" (per step {coverage['per_step_min']:.1%}–{coverage['per_step_max']:.1%})"
         )
     if unattributed:
         console.print(f"corruptions proven but pinned on no device (no majority): {len(unattributed)}")

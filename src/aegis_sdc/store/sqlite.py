@@ -838,17 +838,18 @@ def _has_flops(conn: sqlite3.Connection) -> bool:
 def read_coverage(run: str | os.PathLike | RunStores) -> dict[str, Any]:
     """How much of the GEMM work was checked: over all steps and ranks, and the range per step."""
 
-    def read(_: RankDatabase, conn: sqlite3.Connection) -> list[tuple[float, float]]:
+    def read(db: RankDatabase, conn: sqlite3.Connection) -> list[tuple[int, int, float, float]]:
         if not _has_flops(conn):
             return []
-        query = "SELECT gemm_flops, checked_flops FROM steps WHERE gemm_flops > 0"
-        return [(float(gemm), float(done)) for gemm, done in conn.execute(query)]
+        query = "SELECT step, gemm_flops, checked_flops FROM steps WHERE gemm_flops > 0"
+        return [(db.rank, int(step), float(gemm), float(done)) for step, gemm, done in conn.execute(query)]
 
-    pairs = _collect(run, read)
-    total, checked = sum(gemm for gemm, _ in pairs), sum(done for _, done in pairs)
-    fractions = [done / gemm for gemm, done in pairs]
+    rows = _collect(run, read)
+    total, checked = sum(row[2] for row in rows), sum(row[3] for row in rows)
+    fractions = [done / gemm for _, _, gemm, done in rows]
     return {
-        "steps": len(fractions),
+        "steps": len({step for _, step, _, _ in rows}),  # distinct step numbers, whatever the ranks
+        "ranks": len({rank for rank, _, _, _ in rows}),
         "checked_flops_fraction": checked / total if total else None,
         "per_step_min": min(fractions, default=None),
         "per_step_max": max(fractions, default=None),
