@@ -829,7 +829,7 @@ class Guard:
     def _decide_certificates(self, *, final: bool, only: int | None = None) -> None:
         pending = [e.step for e in self.runtime.pending_evidence.values()]
         self.certification.decide(pending, voting=self.state_vote is not None, final=final, only=only,
-                                  ranks=getattr(self, "dist", None) is not None)  # fmt: skip
+                                  ranks=self.dist is not None)  # fmt: skip
 
     def _rollback(self, incidents: list[Incident]) -> bool:
         """The `rollback` policy: restore the last certified checkpoint; False when there is none (or

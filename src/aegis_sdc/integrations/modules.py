@@ -147,48 +147,54 @@ def is_linear_equivalent(module: nn.Module) -> bool:
     return (cls.__module__, cls.__name__) in LINEAR_EQUIVALENT
 
 
-_CHECKED_LINEAR: dict[type, type] = {}
+_CHECKED_SUBCLASSES: dict[type, type] = {}
 
 
-def checked_linear_class(base: type) -> type:
-    """The checked subclass of a Linear-equivalent class (`LINEAR_EQUIVALENT`): CheckedLinear's forward
-    on the class itself, so that copies and pickles of a protected model keep the user's class."""
-    cls = _CHECKED_LINEAR.get(base)
+def _checked_subclass(base: type, forward: Callable[..., torch.Tensor]) -> type:
+    """`Checked<base>`: a subclass of the user's class with a checked `forward`, CheckedLinear's `wrap`
+    and its copies-as-the-plain-module reduction (copies and pickles keep the user's class); one per
+    class."""
+    cls = _CHECKED_SUBCLASSES.get(base)
     if cls is None:
 
         def extra_repr(self) -> str:
             return base.extra_repr(self) + ", checked=True"
 
-        members = {"forward": CheckedLinear.forward, "wrap": classmethod(CheckedLinear.wrap.__func__),
-                   "extra_repr": extra_repr, "__reduce_ex__": CheckedLinear.__reduce_ex__,
-                   "__module__": __name__}  # fmt: skip
-        cls = _CHECKED_LINEAR[base] = type(f"Checked{base.__name__}", (base,), members)
+        members = {"forward": forward, "wrap": classmethod(CheckedLinear.wrap.__func__), "extra_repr": extra_repr,
+                   "__reduce_ex__": CheckedLinear.__reduce_ex__, "__module__": __name__}  # fmt: skip
+        cls = _CHECKED_SUBCLASSES[base] = type(f"Checked{base.__name__}", (base,), members)
     return cls
-
-
-_CHECKED_CONV1D: dict[type, type] = {}
 
 
 def checked_conv1d_class(base: type) -> type:
     """The checked subclass of a Conv1D class: its GEMMs those of the Linear with W [out, in] =
     Conv1D.weightᵀ (a view: the gradient reaches the parameter through it); unsampled calls run
     Conv1D's own forward."""
-    cls = _CHECKED_CONV1D.get(base)
-    if cls is None:
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            weight = self.weight.t()  # [out, in]
-            if torch.compiler.is_compiling():
-                return compiled_call(self.aegis_handle, x, weight, self.bias)
-            plans = self.aegis_hooks.plans_for_call(x, weight)
-            if plans is None:
-                return base.forward(self, x)
-            return checked_call(self.aegis_name, self.aegis_hooks, x, weight, self.bias, self.weight, plans)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.t()  # [out, in]
+        if torch.compiler.is_compiling():
+            return compiled_call(self.aegis_handle, x, weight, self.bias)
+        plans = self.aegis_hooks.plans_for_call(x, weight)
+        if plans is None:
+            return base.forward(self, x)
+        return checked_call(self.aegis_name, self.aegis_hooks, x, weight, self.bias, self.weight, plans)
 
-        members = {"forward": forward, "wrap": classmethod(CheckedLinear.wrap.__func__),
-                   "__reduce_ex__": CheckedLinear.__reduce_ex__, "__module__": __name__}  # fmt: skip
-        cls = _CHECKED_CONV1D[base] = type(f"Checked{base.__name__}", (base,), members)
-    return cls
+    return _checked_subclass(base, forward)
+
+
+def checked_class(module: nn.Module) -> type | None:
+    """The checked class that replaces `module`, or None for a module the guard does not protect:
+    nn.Linear itself, a Linear by another name (`LINEAR_EQUIVALENT`: CheckedLinear's forward on a
+    subclass of its own class) and HF's Conv1D; other subclasses of nn.Linear (quantized, LoRA) have
+    other semantics."""
+    if type(module) is nn.Linear:
+        return CheckedLinear
+    if is_linear_equivalent(module):
+        return _checked_subclass(type(module), CheckedLinear.forward)
+    if is_hf_conv1d(module):
+        return checked_conv1d_class(type(module))
+    return None
 
 
 def _validate(name: str, x: torch.Tensor, weight: torch.Tensor, in_features: int) -> None:
@@ -221,9 +227,7 @@ def select_linears(
     """The Linears to protect, in module order (identical on every rank)."""
     chosen = []
     for name, module in model.named_modules():
-        # subclasses (quantized, LoRA, ...) have other semantics, but for the Linear-equivalent ones;
-        # HF's Conv1D is a transposed Linear
-        if type(module) is not nn.Linear and not is_linear_equivalent(module) and not is_hf_conv1d(module):
+        if checked_class(module) is None:
             continue
         label = name or "<root>"
         if not any(fnmatch.fnmatchcase(label, p) for p in include):
@@ -246,13 +250,7 @@ def swap_linears(model: nn.Module, chosen: list[tuple[str, nn.Linear]], make_hoo
             places.setdefault(id(child), []).append((parent, attr))
     swaps = []
     for name, linear in chosen:
-        if type(linear) is nn.Linear:
-            cls = CheckedLinear
-        elif is_linear_equivalent(linear):
-            cls = checked_linear_class(type(linear))
-        else:
-            cls = checked_conv1d_class(type(linear))
-        checked = cls.wrap(linear, name, make_hooks(name, linear))
+        checked = checked_class(linear).wrap(linear, name, make_hooks(name, linear))
         for parent, attr in places[id(linear)]:
             setattr(parent, attr, checked)
             swaps.append(Swap(parent, attr, linear, checked))

@@ -101,14 +101,14 @@ class Certification:
             first = min(steps)
             self.corrupt_from = first if self.corrupt_from is None else min(self.corrupt_from, first)
 
-    def peers_known(self, step: int, corrupt_from: int, pending_from: int, none: int) -> None:
+    def peers_known(self, step: int, corrupt_from: int | None, pending_from: int | None) -> None:
         """The step exchange of `step` (data parallelism): the first state a confirmed SDC on any rank
-        corrupted and the oldest step any rank has a vTask of unverified (`none`: no such step). A
-        corrupted update reaches every replica through the all-reduced gradients, so one rank's
-        incident withholds every rank's certificates of the states after it."""
-        if corrupt_from != none:
+        corrupted and the oldest step any rank has a vTask of unverified (None: none). A corrupted
+        update reaches every replica through the all-reduced gradients, so one rank's incident
+        withholds every rank's certificates of the states after it."""
+        if corrupt_from is not None:
             self.corrupt_from = corrupt_from if self.corrupt_from is None else min(self.corrupt_from, corrupt_from)
-        self.peers_pending_from = None if pending_from == none else pending_from
+        self.peers_pending_from = pending_from
         self.exchanged_through = max(self.exchanged_through, step)
 
     def decide(self, pending_steps: list[int], *, voting: bool, final: bool, only: int | None = None,

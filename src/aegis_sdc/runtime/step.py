@@ -291,7 +291,9 @@ class StepRuntime:
         if vote is not None:
             self._judge_vote(vote, everyone[:, len(values) + COMM_SLOTS : -3], report, evidence_of)
             certification.vote_judged_step = max(certification.vote_judged_step, vote.step)
-        certification.peers_known(step, int(everyone[:, -3].min()), int(everyone[:, -2].min()), NO_STEP)
+        corrupt_from, pending_from = (int(everyone[:, column].min()) for column in (-3, -2))
+        certification.peers_known(step, None if corrupt_from == NO_STEP else corrupt_from,
+                                  None if pending_from == NO_STEP else pending_from)  # fmt: skip
         g._adopt_sensor_stretch(int(everyone[:, -1].max()), report)
         n = len(g.sensors)
         cfg = g.config.distributed
