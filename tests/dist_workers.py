@@ -7,6 +7,8 @@ same tests, on a machine with enough GPUs).
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
+import gc
 import json
 import os
 import signal
@@ -26,6 +28,14 @@ CFG = SMALL
 
 
 BACKEND = os.environ.get("AEGIS_TEST_BACKEND", "gloo")
+
+
+def run_rank(fn, rank: int, world: int, rendezvous: str, out: str, options: dict) -> None:
+    """A worker process's entry: `fn(rank, ...)`, its Python stacks written to `stacks{rank}.txt` on
+    SIGUSR1 (the harness sends it to a rank that outlived its timeout, and shows the stacks)."""
+    with open(os.path.join(out, f"stacks{rank}.txt"), "w") as stacks:  # kept open while the rank runs
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        fn(rank, world, rendezvous, out, options)
 
 
 def init(rank: int, world: int, rendezvous: str) -> torch.device:
@@ -185,6 +195,23 @@ def train_through_guard(guard, data, optimizer, steps: int) -> list[float]:
 def guarded_training(rank: int, world: int, rendezvous: str, out: str, options: dict) -> None:
     """DDP or FSDP2 training of the workload, protected or not, with optional faults and stalls."""
     device = init(rank, world, rendezvous)
+    if _train_and_report(rank, world, device, out, options):
+        # The peer is gone or stuck: tearing the group down would wait for it (NCCL's destructor
+        # does). The result is written; leave at once, as a job's rank would after the error.
+        os._exit(0)
+    leave_group()
+
+
+def leave_group() -> None:
+    """Destroy the process group once nothing of the run holds it any more. A DDP model, its reducer
+    or a guard freed *after* `destroy_process_group` hung the rank in a destructor at exit, one run
+    in ten under load (gloo, torch 2.13; the unprotected run too, so not the guard's): free them first."""
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _train_and_report(rank: int, world: int, device: torch.device, out: str, options: dict) -> bool:
+    """The body of `guarded_training`: train, write `result{rank}.json`; whether the exchange failed."""
     parallel = options.get("parallel", "ddp")
     model, data = workload(rank, device, options.get("checkpointing", False))
     raw_model = model
@@ -287,11 +314,7 @@ def guarded_training(rank: int, world: int, rendezvous: str, out: str, options: 
                 result["certificates"] = [(c.step, c.status, c.reason) for c in guard.certificates]
     finally:
         Path(out, f"result{rank}.json").write_text(json.dumps(result))
-    if "exchange_error" in result:
-        # The peer is gone or stuck: tearing the group down would wait for it (NCCL's destructor
-        # does). The result is written; leave at once, as a job's rank would after the error.
-        os._exit(0)
-    dist.destroy_process_group()
+    return "exchange_error" in result
 
 
 def exchange_cost(rank: int, world: int, rendezvous: str, out: str, options: dict) -> None:
@@ -333,7 +356,7 @@ def exchange_cost(rank: int, world: int, rendezvous: str, out: str, options: dic
         )
     )
     ctx.close()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def stalled_rank(rank: int, world: int, rendezvous: str, out: str, options: dict) -> None:
@@ -397,4 +420,5 @@ def mismatched_protect(rank: int, world: int, rendezvous: str, out: str, options
         result.update(error=str(error), value_error=isinstance(error, ValueError))
     finally:
         Path(out, f"result{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    del model
+    leave_group()

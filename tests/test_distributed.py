@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import json
 import multiprocessing as mp
+import os
+import signal
 import time
 
 import pytest
@@ -45,7 +47,7 @@ def run_workers(fn, world: int, tmp_path, options: dict, timeout: float = 240.0,
     tmp_path.mkdir(parents=True, exist_ok=True)
     ctx = _worker_context()
     rendezvous = str(tmp_path / "rendezvous")  # a file store: no port to race for
-    processes = [ctx.Process(target=fn, args=(rank, world, rendezvous, str(tmp_path), options))
+    processes = [ctx.Process(target=dist_workers.run_rank, args=(fn, rank, world, rendezvous, str(tmp_path), options))
                  for rank in range(world)]  # fmt: skip
     for process in processes:
         process.start()
@@ -56,15 +58,23 @@ def run_workers(fn, world: int, tmp_path, options: dict, timeout: float = 240.0,
     for rank in stopped:
         processes[rank].kill()  # SIGKILL ends a stopped process too
         processes[rank].join()
-    hung = [p for p in processes if p.is_alive()]
-    for process in hung:
-        process.kill()
-    assert not hung, f"{len(hung)} worker(s) still running after {timeout:.0f} s"
+    hung = [rank for rank, p in enumerate(processes) if p.is_alive()]
+    for rank in hung:
+        os.kill(processes[rank].pid, signal.SIGUSR1)  # its stacks, for the failure message
+    time.sleep(1.0 if hung else 0.0)
+    for rank in hung:
+        processes[rank].kill()
+    stacks = "\n".join(f"rank {rank}:\n{_read(tmp_path / f'stacks{rank}.txt')}" for rank in hung)
+    assert not hung, f"rank(s) {hung} still running after {timeout:.0f} s; their stacks:\n{stacks}"
     results = []
     for rank in range(world):
         path = tmp_path / f"result{rank}.json"
         results.append(json.loads(path.read_text()) if path.exists() else None)
     return results
+
+
+def _read(path) -> str:
+    return path.read_text() if path.exists() else "(none written)"
 
 
 def warned(result: dict) -> set[tuple]:
