@@ -62,6 +62,53 @@ def test_two_guards_in_one_process_on_the_default_run_directory_each_get_a_store
         assert [(site, step) for _, site, step in stored_incident_ids(guard.run_dir)] == [(SITE, 4)]
 
 
+def test_a_run_id_from_the_clock_names_one_run_and_one_from_the_environment_resumes(tmp_path, monkeypatch):
+    # Two guards one after the other in the same second (a sweep in one process, a test suite): the
+    # second must not write into the first's store (its steps, incidents, quarantine list). Under a
+    # job's own run id the restarted guard writes on in the job's directory.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("AEGIS_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(aegis.config.time, "strftime", lambda _: "run-same-second")
+
+    def protected_run() -> Path:
+        model, data, optimizer = small_workload()
+        guard = aegis.protect(model, optimizer=optimizer, config=aegis.GuardConfig())
+        train(model, data, optimizer, 2)
+        guard.close()
+        return guard.run_dir
+
+    assert [protected_run(), protected_run()] == [Path("aegis-runs/run-same-second"),
+                                                  Path("aegis-runs/run-same-second-2")]  # fmt: skip
+    monkeypatch.setenv("AEGIS_RUN_ID", "job-7")
+    assert [protected_run(), protected_run()] == [Path("aegis-runs/job-7")] * 2
+
+
+def test_a_guard_writing_on_where_another_wrote_other_sites_loses_no_record(tmp_path, caplog):
+    # The store keeps a site's row by name: the second guard (every Linear, its sites numbered
+    # otherwise than the first's MLP-only ones) once replaced rows the first guard's records
+    # referenced — "FOREIGN KEY constraint failed", and every record of its run lost.
+    up_proj = "layers.0.mlp.up_proj:fwd"
+    model, data, optimizer = small_workload()
+    first_fault = aegis.FaultSpec(site=up_proj, model="bitflip", bit=30, steps=(3,))
+    config = guard_config(tmp_path, include=("*mlp*",), faults=(first_fault,))
+    first = aegis.protect(model, optimizer=optimizer, config=config)
+    train(model, data, optimizer, 5)
+    first.close()
+    model, data, optimizer = small_workload(1)
+    second = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(fault(4),)))
+    with caplog.at_level(logging.WARNING, logger="aegis_sdc"):
+        train(model, data, optimizer, 6)
+        second.close()
+    assert "could not be written" not in caplog.text and "cannot be written" not in caplog.text
+    run_dir = tmp_path / "run"
+    assert stored_incident_ids(run_dir) == [(1, up_proj, 3), (2, SITE, 4)]
+    with sqlite3.connect(rank_db_path(run_dir, 0)) as db:
+        calls = dict(db.execute("SELECT s.name, SUM(t.calls) FROM step_stats t JOIN sites s ON s.id = t.site_id"
+                                " GROUP BY s.name").fetchall())  # fmt: skip
+    assert calls[up_proj] == 5 + 6 and calls[SITE] == 6  # every call of both guards, under its own name
+
+
 def test_a_named_run_directory_in_use_is_refused_at_protect_and_free_again_after_close(tmp_path):
     model, _, optimizer = small_workload()
     first = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))

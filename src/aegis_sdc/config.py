@@ -406,10 +406,15 @@ def default_run_dir() -> str:
     An id from the environment becomes one directory name inside ``aegis-runs/`` whatever it holds:
     every character outside ``[A-Za-z0-9._-]`` (a ``/`` above all) becomes ``_`` and a leading dot
     gets a ``_`` before it, so ``../../x`` or an absolute path never puts the store elsewhere."""
-    run_id = os.environ.get("AEGIS_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
-    if not run_id or run_id == "none":
-        run_id = time.strftime("run-%Y%m%d-%H%M%S")
+    run_id = run_id_from_environment() or time.strftime("run-%Y%m%d-%H%M%S")
     return os.path.join("aegis-runs", safe_run_id(run_id))
+
+
+def run_id_from_environment() -> str | None:
+    """AEGIS_RUN_ID, else torchrun's run id (TORCHELASTIC_RUN_ID, unless "none"); None without either.
+    A job restarted under the same id writes on in the same directory (a resume)."""
+    run_id = os.environ.get("AEGIS_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if not run_id or run_id == "none" else run_id
 
 
 def safe_run_id(run_id: str) -> str:

@@ -205,6 +205,11 @@ class Store:
             self._release_lock()
             raise
         self._in_tx = False
+        # A site's row is found by its name: the guard numbers its sites in the order it meets them,
+        # and a guard that writes to a store an earlier one wrote (a resumed run, another model in
+        # the same run directory) may meet other sites, or the same in another order. Its ids map
+        # to the rows' here; a fresh store's rows take the guard's own ids.
+        self._site_ids: dict[int, int] = {}
 
     # -- transactions ----------------------------------------------------------------------------
     @contextmanager
@@ -276,11 +281,31 @@ class Store:
             )
 
     def write_sites(self, sites: Iterable[Any]) -> None:
+        """The sites' rows: a name the store holds keeps its row (and id), a new name takes the
+        guard's id when free, else the next free id."""
         with self.transaction() as c:
-            c.executemany(
-                "INSERT OR REPLACE INTO sites (id, name, module, kind, op) VALUES (?, ?, ?, ?, ?)",
-                [(s.id, s.name, s.module, s.kind.value, s.op) for s in sites],
-            )
+            for site in sites:
+                row = c.execute("SELECT id FROM sites WHERE name = ?", (site.name,)).fetchone()
+                if row is not None:
+                    store_id = row[0]
+                    c.execute("UPDATE sites SET module = ?, kind = ?, op = ? WHERE id = ?",
+                              (site.module, site.kind.value, site.op, store_id))  # fmt: skip
+                else:
+                    taken = c.execute("SELECT 1 FROM sites WHERE id = ?", (site.id,)).fetchone()
+                    store_id = site.id if taken is None else c.execute("SELECT MAX(id) + 1 FROM sites").fetchone()[0]
+                    c.execute("INSERT INTO sites (id, name, module, kind, op) VALUES (?, ?, ?, ?, ?)",
+                              (store_id, site.name, site.module, site.kind.value, site.op))  # fmt: skip
+                self._site_ids[site.id] = store_id
+
+    def _site_id(self, site_id: int | None) -> int | None:
+        """The store's id of the guard's site `site_id` (written by `write_sites` before any record
+        names it)."""
+        if site_id is None:
+            return None
+        try:
+            return self._site_ids[site_id]
+        except KeyError:
+            raise StoreError(f"site {site_id} named in a record before its row was written") from None
 
     # A step may be flushed more than once (inference loops, full buffers): rows accumulate.
     def write_step(
@@ -308,7 +333,7 @@ class Store:
             " max_col = MAX(COALESCE(max_col, excluded.max_col), COALESCE(excluded.max_col, max_col)),"
             " threshold_row = excluded.threshold_row, threshold_col = excluded.threshold_col,"
             " calibrating = excluded.calibrating",
-            list(rows),
+            [(row[0], self._site_id(row[1]), *row[2:]) for row in rows],
         )
 
     def write_vtask(self, task: Any) -> None:
@@ -318,7 +343,7 @@ class Store:
             " raised_wall) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (
                 task.id,
-                e.site.id,
+                self._site_id(e.site.id),
                 e.step,
                 e.call,
                 e.channel.value,
@@ -358,7 +383,7 @@ class Store:
             (
                 incident.id,
                 incident.verdict.vtask_id,
-                incident.site.id,
+                self._site_id(incident.site.id),
                 incident.step,
                 who.host,
                 who.rank,
@@ -381,7 +406,7 @@ class Store:
     ) -> None:
         self.conn.execute(
             "INSERT INTO events (step, site_id, kind, message, data_json, wall) VALUES (?,?,?,?,?,?)",
-            (step, site_id, kind, message, None if data is None else _dumps(data), time.time()),
+            (step, self._site_id(site_id), kind, message, None if data is None else _dumps(data), time.time()),
         )
 
     def write_certificate(self, certificate: Any) -> None:
