@@ -143,7 +143,10 @@ def test_faults_in_every_stage_are_confirmed_with_site_step_batch_and_head(tmp_p
     heads = MEDIUM.n_heads
     injected = {inj.step: inj.head for inj in guard.injector.log if ":attn_" in inj.site}
     found = {(i.step, i.site.name): i for i in guard.incidents}
-    assert {step for step, _ in found} == {step for _, _, step, _, _ in STAGE_FAULTS} and summary.false_alarms == 0
+    # one incident per fault: the forward pv fault, its own check's incident, is found again by the
+    # backward check (O feeds D) — that verdict joins the incident (`same_fault`), no second one
+    assert sorted(found) == sorted((step, f"layers.0.attn:{at}") for _, _, step, at, _ in STAGE_FAULTS)
+    assert summary.false_alarms == 0 and summary.same_fault == 1 and summary.confirmed == len(STAGE_FAULTS)
     for _, _, step, detected_at, wrong_pass in STAGE_FAULTS:
         incident = found[(step, f"layers.0.attn:{detected_at}")]
         assert incident.identity.rank == 0

@@ -51,6 +51,47 @@ def test_flipped_bits_in_a_recomputed_activation_and_in_a_saved_tensor_are_confi
     assert "lm_head:saved" in summary.coverage["saved_tensor_sites_checked"]
 
 
+def test_a_forward_fault_its_own_check_confirmed_is_one_incident_though_the_recompute_finds_it_too(tmp_path):
+    # The up_proj's forward check confirms the fault; the segment's recompute check then sees the
+    # forward's wrong output beside the clean recomputation and confirms it again ("original"): the
+    # same fault, one incident — two would tell the user of two faults.
+    site = "layers.0.mlp.up_proj:fwd"
+    faults = (aegis.FaultSpec(site=site, model="bitflip", bit=27, steps=(21,)),)
+    model, data, optimizer, guard = protected(tmp_path, faults=faults, probability=1.0)
+    verdicts = []
+    guard.subscribe(lambda event, payload: verdicts.append(payload) if event == "verdict" else None)
+    train(model, data, optimizer, 23)
+    summary = guard.close()
+    assert [(i.site.name, i.step) for i in guard.incidents] == [(site, 21)]
+    again = [v for v in verdicts if v.site.name == "layers.0:recompute"]
+    assert len(again) == 1 and again[0].step == 21 and again[0].kind is VerdictKind.CONFIRMED_SDC
+    assert again[0].traced_to_forward and again[0].same_fault_as == guard.incidents[0].id
+    assert f"the fault of incident {guard.incidents[0].id} at {site}" in again[0].detail
+    assert summary.confirmed == 1 and summary.same_fault == 1
+
+
+def test_a_wrong_forward_only_the_recompute_finds_is_its_incident(tmp_path):
+    # The forward goes wrong between the checked GEMMs (the MLP's output, corrupted in the training
+    # forward of step 3, not in its recomputation): no forward check confirms anything, so the
+    # recompute check's "original" verdict is the incident.
+    model, data, optimizer, guard = protected(tmp_path, probability=1.0)
+    calls = []
+
+    def corrupt_the_training_forward(module, inputs, output):
+        calls.append(guard.step_number)
+        if guard.step_number == 3 and calls.count(3) == 1:  # the forward; the recomputation is call 2
+            return output * 2.0
+        return None
+
+    model.layers[0].mlp.register_forward_hook(corrupt_the_training_forward)
+    train(model, data, optimizer, 5)
+    summary = guard.close()
+    assert [(i.site.name, i.step) for i in guard.incidents] == [("layers.0:recompute", 3)]
+    verdict = guard.incidents[0].verdict
+    assert verdict.wrong_execution is WrongExecution.ORIGINAL and verdict.traced_to_forward
+    assert verdict.same_fault_as is None and summary.confirmed == 1 and summary.same_fault == 0
+
+
 @pytest.mark.slow
 def test_150_clean_checkpointed_steps_confirm_nothing(tmp_path):
     # A recomputation's fingerprint must equal its forward's bit for bit: a clean mismatch is

@@ -221,10 +221,22 @@ class Verdict:
     replay_ms: float = 0.0
     latency_steps: int = 0  # verified at step + latency_steps
     latency_ms: float = 0.0  # wall time from raising the vTask to the verdict
+    # Confirmed, and the wrong execution the replay found is the site's module's *forward* at the
+    # step, not the site's own work: a backward check that read the forward's wrong saved output, a
+    # recomputation that disagrees with a wrong forward.
+    traced_to_forward: bool = False
+    # That forward's fault is already an incident (its own check confirmed it): this verdict found
+    # the same fault again and opens no incident of its own.
+    same_fault_as: int | None = None
 
     @property
     def confirmed(self) -> bool:
         return self.kind is VerdictKind.CONFIRMED_SDC
+
+    @property
+    def new_fault(self) -> bool:
+        """A confirmed SDC that is an incident of its own (not one found again downstream)."""
+        return self.confirmed and self.same_fault_as is None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -239,6 +251,8 @@ class Verdict:
             "replay_ms": self.replay_ms,
             "latency_steps": self.latency_steps,
             "latency_ms": self.latency_ms,
+            "traced_to_forward": self.traced_to_forward,
+            "same_fault_as": self.same_fault_as,
         }
 
 

@@ -558,6 +558,7 @@ class Guard:
             store_records_dropped=self.step_recorder.writer.dropped,
             console_lines_held_back=self.console.limiter.suppressed_total,
             store_records_waiting=self.step_recorder.writer.waiting,
+            same_fault=c["same_fault"],
         )
 
     def sensor_costs(self) -> dict[str, SensorCost]:

@@ -94,10 +94,13 @@ class StepConsole:
         """The step's lines: its incidents (a few by name) and one summary of everything it found."""
         for incident in incidents[:INCIDENT_LINES_PER_STEP]:
             self.emit(logging.ERROR, incident.describe())
-        kinds = Counter(v.kind for v in verdicts)
+        kinds = Counter(v.kind for v in verdicts if v.same_fault_as is None)
         order = list(_VERDICT_WORDS)
         parts = [f"{n} {_VERDICT_WORDS[kind][n != 1]}"
                  for kind, n in sorted(kinds.items(), key=lambda item: order.index(item[0]))]  # fmt: skip
+        again = sum(v.same_fault_as is not None for v in verdicts)
+        if again:  # a backward check or a recomputation that met a confirmed forward's wrong output
+            parts.append(f"{again} more finding{'s' if again != 1 else ''} of a confirmed fault")
         if alarms:
             parts.insert(0, f"{alarms} alarm{'s' if alarms != 1 else ''} raised")
         if outlier_warnings:

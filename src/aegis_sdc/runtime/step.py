@@ -24,6 +24,7 @@ flight.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -38,7 +39,19 @@ from aegis_sdc.bounded import BoundedLog
 from aegis_sdc.distributed.comm_check import CommCapture, max_ratios
 from aegis_sdc.distributed.outlier import OutlierWarning, detect_outliers
 from aegis_sdc.distributed.peer_replay import PeerCapture, PeerFinding
-from aegis_sdc.events import Channel, CommKind, Evidence, Incident, Site, StateKind, Verdict, VerdictKind, VTask
+from aegis_sdc.events import (
+    AttentionKind,
+    Channel,
+    CommKind,
+    Evidence,
+    GemmKind,
+    Incident,
+    Site,
+    StateKind,
+    Verdict,
+    VerdictKind,
+    VTask,
+)
 from aegis_sdc.ops.gemm_replay import MODIFIED_BEFORE_REPLAY
 from aegis_sdc.response.console import StepConsole
 from aegis_sdc.response.evidence import CleanSample, write_clean_evidence, write_incident_evidence
@@ -347,8 +360,22 @@ class StepRuntime:
         started = time.perf_counter()
         report.verdicts = g.verifier.run(report.step, drain=drain)
         report.verify_ms = (time.perf_counter() - started) * 1000.0
-        for verdict in report.verdicts:
+        # Verdicts that found a wrong forward downstream (a backward check, a recomputation) are
+        # judged last: when the forward's own check confirmed its fault, they join that incident.
+        order = sorted(range(len(report.verdicts)), key=lambda i: report.verdicts[i].traced_to_forward)
+        for i in order:
+            verdict = report.verdicts[i]
             evidence = self.pending_evidence.pop(verdict.vtask_id)
+            if verdict.traced_to_forward:
+                found = self._forward_incident(verdict.site.module, evidence.step, report.incidents)
+                if found is not None:
+                    report.verdicts[i] = dataclasses.replace(
+                        verdict, same_fault_as=found.id,
+                        detail=f"{verdict.detail}; the fault of incident {found.id} at {found.site.name}, found again",
+                    )  # fmt: skip
+                    g.verifier.kept.pop(verdict.vtask_id, None)
+                    self.counts["same_fault"] += 1
+                    continue
             self.counts[verdict.kind.value] += 1
             if verdict.kind is VerdictKind.FALSE_ALARM and verdict.site.id < len(g.sensors):
                 g.sensors[verdict.site.id].on_false_alarm(evidence)
@@ -371,6 +398,16 @@ class StepRuntime:
         if report.incidents and self.first_incident_step is None:
             self.first_incident_step = min(incident.step for incident in report.incidents)
         _log_nonfinite_inputs(g.console, report.verdicts, self.first_incident_step)
+
+    def _forward_incident(self, module: str, step: int, new: list[Incident]) -> Incident | None:
+        """An incident at a forward site of `module` (or of a module inside it) at `step`."""
+        inside = module + "."
+        for incident in [*new, *self.incidents]:
+            site = incident.site
+            if (incident.step == step and site.kind in (GemmKind.FORWARD, AttentionKind.FORWARD)
+                    and (site.module == module or site.module.startswith(inside))):  # fmt: skip
+                return incident
+        return None
 
     # -- record and respond ------------------------------------------------------------------------
     def record(self, report: StepReport) -> None:

@@ -44,6 +44,9 @@ class GuardSummary:
     store_records_dropped: int = 0
     console_lines_held_back: int = 0
     store_records_waiting: int = 0
+    # confirmed verdicts that met an incident's fault again downstream (a backward check that read the
+    # forward's wrong output, a recomputation against a wrong forward): no incident of their own
+    same_fault: int = 0
 
     @property
     def false_alarm_rate(self) -> float:
