@@ -233,11 +233,6 @@ class Verdict:
     def confirmed(self) -> bool:
         return self.kind is VerdictKind.CONFIRMED_SDC
 
-    @property
-    def new_fault(self) -> bool:
-        """A confirmed SDC that is an incident of its own (not one found again downstream)."""
-        return self.confirmed and self.same_fault_as is None
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "vtask_id": self.vtask_id,
