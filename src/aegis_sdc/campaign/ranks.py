@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import os
 import random
-import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -160,19 +159,17 @@ def run_rank_campaign(cfg: RankCampaignConfig) -> RankCampaignResult:
 
     out = Path(cfg.run_dir or tempfile.mkdtemp(prefix="aegis-rank-campaign-"))
     out.mkdir(parents=True, exist_ok=True)
+    # The ranks meet through a file of the campaign's own (a free port picked here could be taken
+    # before rank 0 binds it, leaving its peers waiting); one left by a killed campaign is stale.
+    rendezvous = out / "rendezvous"
+    rendezvous.unlink(missing_ok=True)
     started = time.perf_counter()
-    mp.start_processes(_rank_main, args=(cfg, _free_port(), str(out)), nprocs=cfg.world, start_method="spawn")
+    mp.start_processes(_rank_main, args=(cfg, str(rendezvous), str(out)), nprocs=cfg.world, start_method="spawn")
     doc = torch.load(out / "rank_campaign.pt", weights_only=False)
     result = RankCampaignResult(cfg, doc["claims"], doc["rows"], doc["twins"], doc["twin_confirmed"],
                                 doc["twin_false_alarms"])  # fmt: skip
     result.seconds = time.perf_counter() - started
     return result
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _RankFaults:
@@ -244,9 +241,24 @@ class _RankFaults:
         return fired
 
 
-def _rank_main(rank: int, cfg: RankCampaignConfig, port: int, out: str) -> None:
-    """One rank: a protected DDP training, the campaign's trials in lockstep with the other ranks, each
-    trial's outcome gathered on every rank; rank 0 saves the record."""
+def _rank_main(rank: int, cfg: RankCampaignConfig, rendezvous: str, out: str) -> None:
+    """One rank: joins the group, runs its side of the campaign, leaves the group once nothing of the
+    run holds it — a DDP model freed after `destroy_process_group` can hang the process at exit."""
+    import gc
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=cfg.world)
+    _campaign_on_rank(rank, cfg, out)
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _campaign_on_rank(rank: int, cfg: RankCampaignConfig, out: str) -> None:
+    """A protected DDP training, the campaign's trials in lockstep with the other ranks, each trial's
+    outcome gathered on every rank; rank 0 saves the record."""
     import logging
     import warnings
 
@@ -258,9 +270,6 @@ def _rank_main(rank: int, cfg: RankCampaignConfig, port: int, out: str) -> None:
     from aegis_sdc.workloads.data import SyntheticTokens, TokenStreamConfig
     from aegis_sdc.workloads.llama import Llama, LlamaConfig, lm_loss
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.world)
     logging.getLogger("aegis_sdc").setLevel(logging.CRITICAL)  # thousands of expected findings
     warnings.simplefilter("ignore", SilentDataCorruptionWarning)
     torch.manual_seed(cfg.seed)  # the same model on every rank
@@ -335,8 +344,6 @@ def _rank_main(rank: int, cfg: RankCampaignConfig, port: int, out: str) -> None:
                   "twin_false_alarms": sum(r["false_alarms"] for t in twins for r in t["ranks"])}  # fmt: skip
         torch.save(record, Path(out) / "rank_campaign.pt")
     guard.close()
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _judged(trial: RankTrial, result: dict[str, Any], reference: list[dict[str, Any]]) -> dict[str, Any]:
