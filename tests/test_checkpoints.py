@@ -57,7 +57,8 @@ def train_with_checkpoints(tmp_path: Path, name: str, faults=(), policy="warn", 
         first = state["step"]
     guard = aegis.protect(model, optimizer=optimizer, config=config, start_step=first)
     positions = []
-    guard.on_rollback(lambda step, extra: positions.append((step, extra["data_step"])))
+    # the callback sees the guard already at the checkpoint's step, as the loop will after the step
+    guard.on_rollback(lambda step, extra: positions.append((step, extra["data_step"], guard.step_number)))
     try:
         while guard.step_number < steps:
             x, y = inputs[guard.step_number]
@@ -87,7 +88,7 @@ def test_rollback_ends_bit_identical_to_the_run_without_the_fault(tmp_path):
     clean_model, clean_opt, _ = train_with_checkpoints(tmp_path, "clean")
     model, optimizer, guard = train_with_checkpoints(tmp_path, "faulty", faults=(FAULT,), policy="rollback")
     assert [(i.site.name, i.step) for i in guard.incidents] == [(SITE, 10)]
-    assert guard.rollbacks == 1 and guard.positions == [(8, 8)]  # back to the checkpoint of step 8
+    assert guard.rollbacks == 1 and guard.positions == [(8, 8, 8)]  # back to the checkpoint of step 8
     assert_bit_identical((model, optimizer), (clean_model, clean_opt))
     # every checkpoint certified: the fault never reached one (step 10's update was never applied)
     # (8 twice: the loop saves again right after the rollback, the restored state, at the same path)

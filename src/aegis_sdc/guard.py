@@ -384,7 +384,10 @@ class Guard:
     # -- public API ------------------------------------------------------------------------------
     @property
     def step_number(self) -> int:
-        return self.clock.step
+        """The step the training is at. After a rollback — from inside `on_rollback` on — the
+        restored checkpoint's step, which the next step re-executes."""
+        rolled_back = self.certification.rolled_back_to
+        return rolled_back if rolled_back is not None else self.clock.step
 
     @property
     def sites(self) -> list[Site]:
