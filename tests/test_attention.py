@@ -236,10 +236,12 @@ def test_a_wrong_reference_side_is_confirmed_not_taken_for_noise():
     )
 
 
-@pytest.mark.parametrize("kind", ["padding-bool", "float-bias"])
+@pytest.mark.parametrize("kind", ["padding-bool", "float-bias", "left-padded-causal"])
 def test_attn_masks_are_checked_and_match_sdpa(kind):
-    # A padded batch (boolean [B, 1, 1, Sk]: the last keys of batch 1 are padding) and an additive
-    # float mask [1, H, Sq, Sk]: values and gradients as SDPA's math backend, checks under their bounds.
+    # A padded batch (boolean [B, 1, 1, Sk]: the last keys of batch 1 are padding), an additive float
+    # mask [1, H, Sq, Sk], and a left-padded causal batch as Hugging Face builds it ([B, 1, Sq, Sk]:
+    # the first 7 query rows of batch 1 see no key at all; SDPA gives them zeros, output and
+    # gradients): values and gradients as SDPA's math backend, checks under their bounds.
     g = torch.Generator().manual_seed(3)
     b, h, s, d = 2, 4, 24, 16
     q, k, v = (torch.randn(b, h, s, d, generator=g).requires_grad_() for _ in range(3))
@@ -247,6 +249,9 @@ def test_attn_masks_are_checked_and_match_sdpa(kind):
     if kind == "padding-bool":
         mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
         mask[1, ..., s - 7 :] = False
+    elif kind == "left-padded-causal":
+        mask = torch.ones(b, 1, s, s, dtype=torch.bool).tril()
+        mask[1, ..., :7] = False  # keys 0..6 of batch 1 are padding: its query rows 0..6 see none
     else:
         mask = torch.randn(1, h, s, s, generator=g)
     hooks = Quiet()
@@ -262,8 +267,9 @@ def test_attn_masks_are_checked_and_match_sdpa(kind):
         assert (got - want).abs().max() <= 8 * (2 * s + d) * 2.0**-24 * want.abs().max()
     assert float(hooks.values[True][0].max()) < backward_bound(s, s)
     assert bool(torch.isfinite(hooks.values[False]).all()) and bool(torch.isfinite(hooks.values[True]).all())
-    with pytest.raises(ValueError, match="no key"):
-        checked_attention(q, k, v, attn_mask=torch.zeros(b, 1, 1, s, dtype=torch.bool), hooks=Quiet())
+    if kind == "left-padded-causal":  # the keyless rows: zeros, as SDPA's, and nothing else touched
+        assert not out[1, :, :7].any() and not grads[0][1, :, :7].any()
+        assert ref[1, :, 7:].abs().min() > 0
 
 
 class PaddedAttention(torch.nn.Module):

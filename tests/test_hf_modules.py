@@ -170,3 +170,34 @@ def test_attention_a_model_computes_without_sdpa_is_named_not_covered_with_one_w
     attention = {f"model.layers.{i}.self_attn:{kind}" for i in range(2) for kind in ("attn_fwd", "attn_bwd")}
     assert summary.attention_checks == 0 and set(summary.coverage["not_covered"]) == attention
     assert all("'eager'" in summary.coverage["not_covered"][site] for site in attention)
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_a_left_padded_batch_has_its_attention_checked_and_a_fault_in_it_confirmed(tmp_path, fault):
+    # Left padding (the first 5 tokens of row 0 are padding): the padded query rows see no key at all
+    # in Hugging Face's causal mask. SDPA gives them zeros; the checked op does the same and checks
+    # every other row — the call was left unchecked before, so padded batches ran with no attention
+    # check at all.
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    site = "model.layers.1.self_attn:attn_bwd"
+    spec = aegis.FaultSpec(site=site, model="bitflip", bit=30, stage="dq", steps=(6,), row=12, col=3)
+    specs = (spec,) if fault else ()
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=specs))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        ids = torch.randint(0, 128, (2, 16), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    summary = guard.close()
+    assert summary.attention_checks == 8 * 2 * 2  # every call of both layers, forward and backward
+    assert not any(":attn_" in site for site in summary.coverage["not_covered"])
+    assert [(i.site.name, i.step) for i in guard.incidents] == ([(site, 6)] if fault else [])
+    assert summary.confirmed == int(fault)

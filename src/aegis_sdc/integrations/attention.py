@@ -69,7 +69,7 @@ def unchecked_reason(q, k, attn_mask, dropout_p: float, is_causal: bool) -> str 
         if problem is not None:
             return problem
     if attn_mask is not None:
-        return "attn_mask together with is_causal" if is_causal else mask_problem(attn_mask, q, k, not q.is_cuda)
+        return "attn_mask together with is_causal" if is_causal else mask_problem(attn_mask, q, k)
     return None
 
 

@@ -119,9 +119,11 @@ def attention_backward(q, k, v, out, lse, dout, scale: float, causal: bool, faul
 def _forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None, mask, drop) -> Forward:
     s = _corrupt(_scores(q, k, scale, causal, mask), fault, "qk")
     m = s.amax(dim=-1, keepdim=True)
-    p = _corrupt(torch.exp(s - m), fault, "softmax")
+    # A query row an attn_mask leaves no key (a left-padded row) has m = −∞: its p, P and output are
+    # zeros, as SDPA gives, its lse −∞, and its checks compare 0 with 0.
+    p = _corrupt(torch.exp(s - m.clamp_min(torch.finfo(torch.float32).min)), fault, "softmax")
     ell = p.sum(dim=-1, keepdim=True)
-    probs = p / ell
+    probs = p / torch.where(ell == 0, 1.0, ell)
     if drop is not None:  # O = P_d·V with P_d = P ⊙ drop: the check takes the same P_d
         probs = probs * drop
     v32 = v.float()
@@ -145,14 +147,17 @@ def _gemm_rows(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
 
 def _backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None, mask, drop) -> Backward:
     s = _corrupt(_scores(q, k, scale, causal, mask), fault, "qk")
-    probs = _corrupt(torch.exp(s - lse.float()[..., None]), fault, "softmax")
+    keyed = (lse > float("-inf"))[..., None]  # [N, Sq, 1]: rows the mask leaves a key (others: P = 0)
+    lse_use = torch.where(keyed.squeeze(-1), lse.float(), float("inf"))  # exp(−∞ − ∞) = 0 on a keyless row
+    probs = _corrupt(torch.exp(s - lse_use[..., None]), fault, "softmax")
     do32, q32, k32, v32, o32 = dout.float(), q.float(), k.float(), v.float(), out.float()
     kept = probs if drop is None else probs * drop  # P_d: what multiplied V in forward
     dv = _corrupt(torch.bmm(kept.transpose(1, 2), do32), fault, "pv")  # [N, Sk, D] fp32 accumulator
     col_dv = dv.double().sum(dim=1)  # [N, D]: 1ᵀdV
-    if drop is None:  # rows of P sum to 1: 1ᵀdV = 1ᵀdO
-        col_ref = do32.double().sum(dim=1)
-        t = do32.double().abs().sum(dim=1)
+    if drop is None:  # rows of P sum to 1 (0 on a keyless row): 1ᵀdV = Σ of the keyed rows of dO
+        keyed_do = do32.double() * keyed
+        col_ref = keyed_do.sum(dim=1)
+        t = keyed_do.abs().sum(dim=1)
     else:  # rows of P_d do not: 1ᵀdV = (P_d·1)ᵀdO, the GEMM column check of P_dᵀ·dO
         rows = kept.double().sum(dim=-1, keepdim=True)
         col_ref = (rows * do32.double()).sum(dim=1)
@@ -160,7 +165,8 @@ def _backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFa
     diff = col_dv - col_ref
     dv_values = _largest(diff.abs() / (U32 * t).clamp_min(1e-300))
     if drop is not None:  # what 1ᵀdO also checked: the recomputed P's rows sum to 1 (within (Sk + 3)·u)
-        dv_values = torch.maximum(dv_values, _largest((probs.double().sum(dim=-1) - 1).abs() / U32))
+        row_error = (probs.double().sum(dim=-1) - keyed.squeeze(-1).double()).abs()  # a keyless row sums to 0
+        dv_values = torch.maximum(dv_values, _largest(row_error / U32))
     vt = v32.transpose(1, 2)
     dp = _corrupt(torch.bmm(do32, vt), fault, "dp")  # [N, Sq, Sk]: the GEMM dO·Vᵀ (= dP_d)
     delta = (do32 * o32).sum(dim=-1, keepdim=True)

@@ -89,12 +89,11 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"checked attention: q, k, v need one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def mask_problem(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, read_rows: bool = True) -> str | None:
+def mask_problem(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> str | None:
     """Why an `attn_mask` cannot be checked (None: it can). Checked: boolean or floating masks that
-    broadcast to [B, H, Sq, Sk], need no gradient, and leave every query row at least one key (a row
-    with none is NaN in SDPA; nothing to check). The last reads the mask on the host, so only with
-    `read_rows` (the reference path); the Triton kernels give such a row zeros and leave it out of
-    their checks, without a host read."""
+    broadcast to [B, H, Sq, Sk] and need no gradient. A query row the mask leaves no key (the padded
+    rows of a left-padded batch) gets zeros, output and gradients, as SDPA gives it, and checks
+    nothing, on both paths (no host read of the mask)."""
     b, h, sq, _ = q.shape
     target = (b, h, sq, k.shape[2])
     if not (mask.dtype == torch.bool or mask.is_floating_point()):
@@ -106,11 +105,6 @@ def mask_problem(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, read_rows
         torch.broadcast_shapes(mask.shape, target)
     except RuntimeError:
         return f"an attn_mask of shape {tuple(mask.shape)} for scores {target}"
-    if not read_rows:
-        return None
-    keeps = mask if mask.dtype == torch.bool else mask > float("-inf")
-    if not bool(keeps.any(dim=-1).all()):
-        return "an attn_mask that leaves a query row no key"
     return None
 
 
@@ -335,7 +329,7 @@ def checked_attention(q, k, v, *, causal: bool = False, scale: float | None = No
     if attn_mask is not None:
         if causal:
             raise ValueError("checked attention: attn_mask and causal together (SDPA takes one or the other)")
-        problem = mask_problem(attn_mask, q, k, read_rows=not kernels_for(q, k, dropout_p).in_place)
+        problem = mask_problem(attn_mask, q, k)
         if problem is not None:
             raise ValueError(f"checked attention cannot take {problem}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
