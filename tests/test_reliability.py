@@ -453,3 +453,14 @@ def test_a_run_dir_that_is_a_file_is_named(tmp_path):
     with pytest.raises(StoreError, match="is a file, not a directory"):
         aegis.protect(torch.nn.Sequential(torch.nn.Linear(8, 8)), config=aegis.GuardConfig(run_dir=str(afile)))
     assert afile.read_text() == "mine"
+
+
+def test_a_run_dir_that_cannot_be_made_is_named(tmp_path):
+    # below a file (no directory can be made there; the same error as a permission refused, which
+    # root, the CI's user, never meets): a StoreError naming the directory, not a raw OSError
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(StoreError, match=f"cannot write the run directory {afile / 'run'}"):
+        aegis.protect(model, config=aegis.GuardConfig(run_dir=str(afile / "run")))
+    assert type(model[0]) is torch.nn.Linear and afile.read_text() == "mine"

@@ -191,8 +191,12 @@ class Store:
         self.path = Path(path)
         if self.path.parent.exists() and not self.path.parent.is_dir():
             raise StoreError(f"the run directory {self.path.parent} is a file, not a directory (GuardConfig.run_dir)")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = _take_writer_lock(self.path) if lock else None
+        try:  # a run directory this process cannot make or write (permissions, a file on its path)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _take_writer_lock(self.path) if lock else None
+        except OSError as error:
+            raise StoreError(f"cannot write the run directory {self.path.parent} ({error.strerror or error}): "
+                             "choose a GuardConfig.run_dir this process can create and write") from error  # fmt: skip
         try:
             self.conn = _connect(self.path)
             _migrate(self.conn, self.path)
