@@ -367,7 +367,7 @@ class StepRuntime:
             verdict = report.verdicts[i]
             evidence = self.pending_evidence.pop(verdict.vtask_id)
             if verdict.traced_to_forward:
-                found = self._forward_incident(verdict.site.module, evidence.step, report.incidents)
+                found = self._forward_incident(verdict.site, evidence.step, report.incidents)
                 if found is not None:
                     report.verdicts[i] = dataclasses.replace(
                         verdict, same_fault_as=found.id,
@@ -399,13 +399,21 @@ class StepRuntime:
             self.first_incident_step = min(incident.step for incident in report.incidents)
         _log_nonfinite_inputs(g.console, report.verdicts, self.first_incident_step)
 
-    def _forward_incident(self, module: str, step: int, new: list[Incident]) -> Incident | None:
-        """An incident at a forward site of `module` (or of a module inside it) at `step`."""
-        inside = module + "."
+    def _forward_incident(self, traced: Site, step: int, new: list[Incident]) -> Incident | None:
+        """The incident at `step` of the forward a traced verdict found wrong: for an attention
+        backward check, its own module's forward check; for a recomputed segment, a forward check of
+        an op inside the segment (a GEMM's or attention's)."""
+        inside = traced.module + "."
         for incident in [*new, *self.incidents]:
             site = incident.site
-            if (incident.step == step and site.kind in (GemmKind.FORWARD, AttentionKind.FORWARD)
-                    and (site.module == module or site.module.startswith(inside))):  # fmt: skip
+            if incident.step != step:
+                continue
+            if traced.kind is AttentionKind.BACKWARD:
+                if site.kind is AttentionKind.FORWARD and site.module == traced.module:
+                    return incident
+            elif site.kind in (GemmKind.FORWARD, AttentionKind.FORWARD) and (
+                site.module == traced.module or site.module.startswith(inside)
+            ):
                 return incident
         return None
 
