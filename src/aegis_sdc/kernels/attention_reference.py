@@ -147,7 +147,7 @@ def _gemm_rows(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
 
 def _backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None, mask, drop) -> Backward:
     s = _corrupt(_scores(q, k, scale, causal, mask), fault, "qk")
-    keyed = (lse > float("-inf"))[..., None]  # [N, Sq, 1]: rows the mask leaves a key (others: P = 0)
+    keyed = ~torch.isneginf(lse)[..., None]  # [N, Sq, 1]: rows the mask leaves a key (others: P = 0; NaN stays)
     lse_use = torch.where(keyed.squeeze(-1), lse.float(), float("inf"))  # exp(−∞ − ∞) = 0 on a keyless row
     probs = _corrupt(torch.exp(s - lse_use[..., None]), fault, "softmax")
     do32, q32, k32, v32, o32 = dout.float(), q.float(), k.float(), v.float(), out.float()
