@@ -65,7 +65,7 @@ def test_a_forward_fault_its_own_check_confirmed_is_one_incident_though_the_reco
     assert [(i.site.name, i.step) for i in guard.incidents] == [(site, 21)]
     again = [v for v in verdicts if v.site.name == "layers.0:recompute"]
     assert len(again) == 1 and again[0].step == 21 and again[0].kind is VerdictKind.CONFIRMED_SDC
-    assert again[0].traced_to_forward and again[0].same_fault_as == guard.incidents[0].id
+    assert again[0].traced_upstream and again[0].same_fault_as == guard.incidents[0].id
     assert f"the fault of incident {guard.incidents[0].id} at {site}" in again[0].detail
     assert summary.confirmed == 1 and summary.same_fault == 1
 
@@ -88,7 +88,7 @@ def test_a_wrong_forward_only_the_recompute_finds_is_its_incident(tmp_path):
     summary = guard.close()
     assert [(i.site.name, i.step) for i in guard.incidents] == [("layers.0:recompute", 3)]
     verdict = guard.incidents[0].verdict
-    assert verdict.wrong_execution is WrongExecution.ORIGINAL and verdict.traced_to_forward
+    assert verdict.wrong_execution is WrongExecution.ORIGINAL and verdict.traced_upstream
     assert verdict.same_fault_as is None and summary.confirmed == 1 and summary.same_fault == 0
 
 

@@ -416,6 +416,24 @@ def test_a_weight_corrupted_at_rest_makes_a_pair_of_two_replicas_and_is_named_am
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_gemm_fault_on_a_peer_replay_step_is_one_incident(world, tmp_path):
+    # The checked GEMM confirms the fault on rank 1; the peer replay of the same step names rank 1 too
+    # (its batch's gradients differ) and joins that incident. The transient fault strikes the step's
+    # own call once, not the recomputations the peer replay runs on rank 1 (it struck three times,
+    # and with two ranks the pair then looked persistently different: nobody named).
+    site = "layers.0.mlp.up_proj:fwd"
+    fault = {"site": site, "model": "bitflip", "bit": 27, "steps": (22,), "ranks": (1,)}
+    options = {"steps": 24, "peer": True, "faults": [fault], "distributed": {"peer_replay_period": 2}}
+    results = run_workers(dist_workers.guarded_training, world, tmp_path, options)
+    assert [(i["site"], i["step"], i["rank"]) for r in results for i in r["incidents"]] == [(site, 22, 1)]
+    assert results[1]["injected"] == [[site, 22]]
+    peer = _peer_verdicts(results)
+    assert peer and set(peer) == {(22, 1, "confirmed_sdc")}
+    assert results[1]["summary"]["same_fault"] == len(peer) and results[1]["summary"]["confirmed"] == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])
 def test_clean_replicas_with_a_slow_rank_vote_and_replay_without_a_finding(tmp_path, checkpointing):
     # with activation checkpointing the replay recomputes each block inside its own backward too

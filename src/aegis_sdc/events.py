@@ -221,12 +221,12 @@ class Verdict:
     replay_ms: float = 0.0
     latency_steps: int = 0  # verified at step + latency_steps
     latency_ms: float = 0.0  # wall time from raising the vTask to the verdict
-    # Confirmed, and the wrong execution the replay found is the site's module's *forward* at the
-    # step, not the site's own work: a backward check that read the forward's wrong saved output, a
-    # recomputation that disagrees with a wrong forward.
-    traced_to_forward: bool = False
-    # That forward's fault is already an incident (its own check confirmed it): this verdict found
-    # the same fault again and opens no incident of its own.
+    # Confirmed, and the wrong execution the replay found is upstream of the site's own work: the
+    # module's forward (a backward check that read the forward's wrong saved output, a recomputation
+    # that disagrees with a wrong forward), or the rank's whole step (a peer replay naming this rank).
+    traced_upstream: bool = False
+    # That upstream fault is already an incident (its own check confirmed it at the step): this
+    # verdict found the same fault again and opens no incident of its own.
     same_fault_as: int | None = None
 
     @property
@@ -246,7 +246,7 @@ class Verdict:
             "replay_ms": self.replay_ms,
             "latency_steps": self.latency_steps,
             "latency_ms": self.latency_ms,
-            "traced_to_forward": self.traced_to_forward,
+            "traced_upstream": self.traced_upstream,
             "same_fault_as": self.same_fault_as,
         }
 

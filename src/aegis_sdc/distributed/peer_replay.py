@@ -123,6 +123,9 @@ class PeerCapture:
 
     def __init__(self, finding: PeerFinding) -> None:
         self.finding = finding
+        # A confirmed finding is about this rank's whole step (or its recomputation of a peer's): a
+        # checked op of that step that confirmed the same fault already holds its incident.
+        self.traced_upstream = finding.kind is VerdictKind.CONFIRMED_SDC
 
     def verdict(self) -> tuple[VerdictKind, WrongExecution | None, str]:
         f = self.finding

@@ -53,6 +53,9 @@ class FaultInjector:
         # Steps below this are re-executions after a rollback: a transient fault struck them once and
         # does not again; a persistent one (`affects_replay`: the device itself is faulty) does.
         self.reexecuted_below = 0
+        # While a step's calls are recomputed within the step (a peer replay): a transient fault
+        # struck the step's first call and does not strike the recomputation; a persistent one does.
+        self.replaying = False
         self._matches: dict[str, tuple[FaultSpec, ...]] = {}
 
     def __bool__(self) -> bool:
@@ -70,7 +73,7 @@ class FaultInjector:
         return found
 
     def _strikes(self, spec: FaultSpec, step: int) -> bool:
-        return step >= self.reexecuted_below or spec.affects_replay
+        return spec.affects_replay or (step >= self.reexecuted_below and not self.replaying)
 
     def may_fire(self, site, step: int) -> bool:
         """Whether some call of `site` may get a fault at `step` (the step plan then runs it checked)."""

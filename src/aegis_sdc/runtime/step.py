@@ -232,13 +232,15 @@ class StepRuntime:
         """The checked ops run a recomputation of this step's calls: the plan's call counts start
         again from zero (the same calls are checked, so the same kernels run) and are restored after.
         The recomputation's checks are judged with the step's: they are real checks of this device."""
-        plan = self.guard.plan
+        plan, injector = self.guard.plan, self.guard.injector
         calls = list(plan.calls)
         plan.calls = [0] * len(calls)
+        injector.replaying = True  # a transient fault struck the step's own calls, not these
         try:
             yield
         finally:
             plan.calls = calls
+            injector.replaying = False
 
     def _raise_peer_findings(self, alarm: Alarm) -> None:
         """A peer-replay finding is raised once: by the rank it names, or (a pair, an unstable step)
@@ -360,14 +362,15 @@ class StepRuntime:
         started = time.perf_counter()
         report.verdicts = g.verifier.run(report.step, drain=drain)
         report.verify_ms = (time.perf_counter() - started) * 1000.0
-        # Verdicts that found a wrong forward downstream (a backward check, a recomputation) are
-        # judged last: when the forward's own check confirmed its fault, they join that incident.
-        order = sorted(range(len(report.verdicts)), key=lambda i: report.verdicts[i].traced_to_forward)
+        # Verdicts that found a wrong result upstream of their own site (a backward check, a
+        # recomputation, a peer replay) are judged last: when the upstream op's own check confirmed
+        # the fault at that step, they join its incident.
+        order = sorted(range(len(report.verdicts)), key=lambda i: report.verdicts[i].traced_upstream)
         for i in order:
             verdict = report.verdicts[i]
             evidence = self.pending_evidence.pop(verdict.vtask_id)
-            if verdict.traced_to_forward:
-                found = self._forward_incident(verdict.site, evidence.step, report.incidents)
+            if verdict.traced_upstream:
+                found = self._upstream_incident(verdict.site, evidence.step, report.incidents)
                 if found is not None:
                     report.verdicts[i] = dataclasses.replace(
                         verdict, same_fault_as=found.id,
@@ -399,15 +402,18 @@ class StepRuntime:
             self.first_incident_step = min(incident.step for incident in report.incidents)
         _log_nonfinite_inputs(g.console, report.verdicts, self.first_incident_step)
 
-    def _forward_incident(self, traced: Site, step: int, new: list[Incident]) -> Incident | None:
-        """The incident at `step` of the forward a traced verdict found wrong: for an attention
-        backward check, its own module's forward check; for a recomputed segment, a forward check of
-        an op inside the segment (a GEMM's or attention's)."""
+    def _upstream_incident(self, traced: Site, step: int, new: list[Incident]) -> Incident | None:
+        """This rank's incident at `step` of what a traced verdict found wrong upstream: for an
+        attention backward check, its own module's forward check; for a recomputed segment, a
+        forward check of an op inside the segment (a GEMM's or attention's); for a peer replay, which
+        recomputed the rank's whole step, any incident of the step."""
         inside = traced.module + "."
         for incident in [*new, *self.incidents]:
             site = incident.site
             if incident.step != step:
                 continue
+            if traced.kind is StateKind.PEER_REPLAY:
+                return incident
             if traced.kind is AttentionKind.BACKWARD:
                 if site.kind is AttentionKind.FORWARD and site.module == traced.module:
                     return incident

@@ -100,7 +100,7 @@ class AttentionCapture:
         self.backward = backward
         self.batch, self.head = batch, head
         self.values = values  # the head's check values as the training step computed them (fp64)
-        self.traced_to_forward = False  # set by `verdict`: the backward check read a wrong forward
+        self.traced_upstream = False  # set by `verdict`: the backward check read a wrong forward
 
     def verdict(self) -> tuple[VerdictKind, WrongExecution | None, str]:
         where = f"batch {self.batch}, head {self.head}"
@@ -120,7 +120,7 @@ class AttentionCapture:
                 verb = "were" if len(wrong) > 1 else "was"
                 found = f" (found by the backward check: the saved {' and '.join(wrong)} {verb} wrong)"
             if _same(first, second):
-                self.traced_to_forward = bool(found)
+                self.traced_upstream = bool(found)
                 return (
                     VerdictKind.CONFIRMED_SDC,
                     WrongExecution.ORIGINAL,

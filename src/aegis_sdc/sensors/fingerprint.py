@@ -92,7 +92,7 @@ class RecomputeCapture:
         self.rerun = rerun
         self.pool = pool
         self.record: FingerprintRecord = record_ref
-        self.traced_to_forward = False  # set by `verdict`: the forward, not the recomputation, was wrong
+        self.traced_upstream = False  # set by `verdict`: the forward, not the recomputation, was wrong
 
     def third(self) -> list[int | None]:
         return [self.pool.now(t) for t in self.rerun()]
@@ -103,7 +103,7 @@ class RecomputeCapture:
         bad = self.record.mismatched()
         where = f"output tensor(s) {bad} of the segment"
         if third == recomputed:
-            self.traced_to_forward = True
+            self.traced_upstream = True
             return (VerdictKind.CONFIRMED_SDC, WrongExecution.ORIGINAL,
                     f"{where}: the forward result differs; the recomputation and a third run agree")  # fmt: skip
         if third == forward:

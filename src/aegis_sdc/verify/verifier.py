@@ -105,7 +105,7 @@ class Verifier:
         finished = time.perf_counter()
         if self.keep_confirmed and kind is VerdictKind.CONFIRMED_SDC:
             self.kept[task.id] = KeptReplay(task.payload, tuple(replays))
-        traced_to_forward = kind is VerdictKind.CONFIRMED_SDC and getattr(task.payload, "traced_to_forward", False)
+        traced_upstream = kind is VerdictKind.CONFIRMED_SDC and getattr(task.payload, "traced_upstream", False)
         task.payload = None  # release the replay context's tensors
         verdict = Verdict(
             vtask_id=task.id,
@@ -119,7 +119,7 @@ class Verifier:
             replay_ms=(finished - started) * 1000.0,
             latency_steps=step - task.step,
             latency_ms=(finished - task.raised_perf) * 1000.0,
-            traced_to_forward=traced_to_forward,
+            traced_upstream=traced_upstream,
         )
         t = self.telemetry
         t.verified += 1
