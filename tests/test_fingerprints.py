@@ -15,6 +15,7 @@ import aegis_sdc as aegis
 from aegis_sdc.events import GemmKind, Site, VerdictKind, WrongExecution
 from aegis_sdc.ops.checked_linear import LinearHooks, PlanTracer, SegmentTrace
 from aegis_sdc.sensors.gemm import CallPlan
+from aegis_sdc.store.sqlite import read_verdict_counts
 from aegis_sdc.workloads.llama import Llama, lm_loss
 
 CHECKPOINTED = dataclasses.replace(MEDIUM, n_layers=2, activation_checkpointing=True)
@@ -68,6 +69,9 @@ def test_a_forward_fault_its_own_check_confirmed_is_one_incident_though_the_reco
     assert again[0].traced_upstream and again[0].same_fault_as == guard.incidents[0].id
     assert f"the fault of incident {guard.incidents[0].id} at {site}" in again[0].detail
     assert summary.confirmed == 1 and summary.same_fault == 1
+    # the store says the same: one confirmed verdict of its own, one finding of it again
+    counts = read_verdict_counts(tmp_path / "run")
+    assert counts["confirmed_sdc"] == 1 and counts["same_fault"] == 1
 
 
 def test_a_wrong_forward_only_the_recompute_finds_is_its_incident(tmp_path):

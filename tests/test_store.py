@@ -96,8 +96,10 @@ def test_a_version_1_store_is_migrated_keeping_its_data(tmp_path):
     conn.commit()
     conn.close()
     store = Store(path)
-    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     assert store.conn.execute("SELECT message FROM events").fetchone()[0] == "written by version 1"
+    # v5: a verdict names the incident whose fault it found again (none here)
+    assert "same_fault_as" in {row[1] for row in store.conn.execute("PRAGMA table_info(verdicts)")}
     # v4: the checkpoints' certificates, none yet
     assert store.conn.execute("SELECT COUNT(*) FROM checkpoints").fetchone()[0] == 0
     # v3: a step's GEMM FLOPs and checked FLOPs; steps written before are kept, with 0 for both

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _SCHEMA_V1 = """
 CREATE TABLE run (
@@ -108,7 +108,13 @@ CREATE TABLE checkpoints (
 );
 """
 
-_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3, 4: _SCHEMA_V4}
+# v5: a confirmed verdict that found an incident's fault again (a backward check, a recomputation, a
+# peer replay after the op's own check) names that incident; NULL for every other verdict
+_SCHEMA_V5 = """
+ALTER TABLE verdicts ADD COLUMN same_fault_as INTEGER;
+"""
+
+_MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3, 4: _SCHEMA_V4, 5: _SCHEMA_V5}
 
 
 class StoreError(RuntimeError):
@@ -363,7 +369,8 @@ class Store:
     def write_verdict(self, verdict: Any, decided_step: int) -> None:
         self.conn.execute(
             "INSERT INTO verdicts (vtask_id, kind, wrong_execution, no_effect_on_output, tiles_json, detail,"
-            " replay_ms, latency_steps, latency_ms, decided_step, decided_wall) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            " replay_ms, latency_steps, latency_ms, decided_step, decided_wall, same_fault_as)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 verdict.vtask_id,
                 verdict.kind.value,
@@ -376,6 +383,7 @@ class Store:
                 verdict.latency_ms,
                 decided_step,
                 time.time(),
+                verdict.same_fault_as,
             ),
         )
 
@@ -853,8 +861,17 @@ def read_unattributed(run: str | os.PathLike | RunStores) -> list[dict[str, Any]
 
 
 def read_verdict_counts(run: str | os.PathLike | RunStores) -> dict[str, int]:
+    """Verdicts by kind; confirmed ones that found an incident's fault again count as `same_fault`
+    (so that `confirmed_sdc` counts the incidents' own verdicts)."""
+
+    def read(_: RankDatabase, conn: sqlite3.Connection):
+        if "same_fault_as" not in {row[1] for row in conn.execute("PRAGMA table_info(verdicts)")}:  # before v5
+            return conn.execute("SELECT kind, COUNT(*) FROM verdicts GROUP BY kind")
+        return conn.execute("SELECT CASE WHEN same_fault_as IS NULL THEN kind ELSE 'same_fault' END AS k, COUNT(*)"
+                            " FROM verdicts GROUP BY k")  # fmt: skip
+
     counts: dict[str, int] = {}
-    for kind, n in _collect(run, lambda _, conn: conn.execute("SELECT kind, COUNT(*) FROM verdicts GROUP BY kind")):
+    for kind, n in _collect(run, read):
         counts[str(kind)] = counts.get(str(kind), 0) + n
     return counts
 
