@@ -171,6 +171,13 @@ def test_protect_rejects_what_it_cannot_protect(tmp_path):
         aegis.protect(torch.nn.Sequential(torch.nn.Linear(2, 2)), optimizer=object(), config=guard_config(tmp_path))
     with pytest.raises(ValueError, match=r"bare nn.Linear"):
         aegis.protect(torch.nn.Linear(2, 2), config=guard_config(tmp_path))
+    # a model an open guard protects: named as such (it read "found no nn.Linear"), free after close
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    first = aegis.protect(model, config=guard_config(tmp_path / "first"))
+    with pytest.raises(ValueError, match=r"protected by a guard already; close that guard"):
+        aegis.protect(model, config=guard_config(tmp_path / "second"))
+    first.close()
+    aegis.protect(model, config=guard_config(tmp_path / "second")).close()
 
 
 def test_verdict_counts_reach_the_summary_and_the_store(tmp_path):

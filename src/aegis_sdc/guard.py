@@ -65,7 +65,14 @@ from aegis_sdc.events import (
 from aegis_sdc.faults.injector import FaultInjector
 from aegis_sdc.integrations.attention import AttentionRouter, attention_outside_sdpa
 from aegis_sdc.integrations.checkpointing import RecomputeChecker, SavedTensorChecker
-from aegis_sdc.integrations.modules import GuardHook, LinearFilter, restore_linears, select_linears, swap_linears
+from aegis_sdc.integrations.modules import (
+    GuardHook,
+    LinearFilter,
+    is_protected,
+    restore_linears,
+    select_linears,
+    swap_linears,
+)
 from aegis_sdc.kernels.reference import Tiling
 from aegis_sdc.ops.checked_linear import LinearHooks, PlanTracer
 from aegis_sdc.ops.fingerprint import FingerprintPool
@@ -190,6 +197,9 @@ class Guard:
 
         chosen = select_linears(model, config.include, config.exclude, filter)
         if not chosen:
+            if any(is_protected(m) for m in model.modules()):
+                raise ValueError("protect(): this model's Linears are protected by a guard already; close that "
+                                 "guard (guard.close()) before protecting the model again")  # fmt: skip
             raise ValueError(
                 "protect() found no nn.Linear to protect (check GuardConfig.include/exclude and the filter)"
             )

@@ -183,6 +183,11 @@ def checked_conv1d_class(base: type) -> type:
     return _checked_subclass(base, forward)
 
 
+def is_protected(module: nn.Module) -> bool:
+    """Whether `module` is a checked module an open guard swapped in (copies of it are plain)."""
+    return "aegis_hooks" in vars(module)
+
+
 def checked_class(module: nn.Module) -> type | None:
     """The checked class that replaces `module`, or None for a module the guard does not protect:
     nn.Linear itself, a Linear by another name (`LINEAR_EQUIVALENT`: CheckedLinear's forward on a
