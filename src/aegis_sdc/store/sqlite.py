@@ -865,7 +865,7 @@ def read_verdict_counts(run: str | os.PathLike | RunStores) -> dict[str, int]:
     (so that `confirmed_sdc` counts the incidents' own verdicts)."""
 
     def read(_: RankDatabase, conn: sqlite3.Connection):
-        if "same_fault_as" not in {row[1] for row in conn.execute("PRAGMA table_info(verdicts)")}:  # before v5
+        if not _has_column(conn, "verdicts", "same_fault_as"):  # a store written before version 5
             return conn.execute("SELECT kind, COUNT(*) FROM verdicts GROUP BY kind")
         return conn.execute("SELECT CASE WHEN same_fault_as IS NULL THEN kind ELSE 'same_fault' END AS k, COUNT(*)"
                             " FROM verdicts GROUP BY k")  # fmt: skip
@@ -876,9 +876,13 @@ def read_verdict_counts(run: str | os.PathLike | RunStores) -> dict[str, int]:
     return counts
 
 
+def _has_column(conn: sqlite3.Connection, table: str, column: str) -> bool:
+    """Whether a (read-only, perhaps older) store's `table` has `column`: readers never migrate."""
+    return column in {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+
+
 def _has_flops(conn: sqlite3.Connection) -> bool:
-    # a store written before schema version 3 has no FLOPs columns
-    return "gemm_flops" in {row[1] for row in conn.execute("PRAGMA table_info(steps)")}
+    return _has_column(conn, "steps", "gemm_flops")  # a store written before schema version 3 has none
 
 
 def read_coverage(run: str | os.PathLike | RunStores) -> dict[str, Any]:
