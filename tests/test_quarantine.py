@@ -197,3 +197,35 @@ def test_exit_codes_follow_aegis_incidents(run, tmp_path):
     empty.mkdir()
     nothing = quarantine(empty)
     assert nothing.exit_code == 2 and "no aegis store" in nothing.stderr and nothing.stdout == ""
+
+
+def test_with_every_store_damaged_the_lists_devices_are_still_printed(run):
+    # The scheduler's drain list must not hang on the store: a run whose only store was overwritten
+    # still names the device its quarantine list holds (exit 1, the store named).
+    host = stored_device(run)["host"]
+    rank_db_path(run, 0).write_bytes(b"\x00 not a database " * 100)
+    result = quarantine(run, "--format", "slurm-exclude")
+    assert result.exit_code == 1 and result.stdout == f"{host}\n", result.output
+    assert "no readable aegis store" in result.stderr and "not a SQLite database" in result.stderr
+    (device,) = json.loads(quarantine(run).stdout)["devices"]
+    assert (device["host"], device["site"], device["listed"]) == (host, SITE, True)
+    (run / "quarantine.jsonl").unlink()  # neither store nor list: nothing to say
+    nothing = quarantine(run)
+    assert nothing.exit_code == 2 and nothing.stdout == "", nothing.output
+
+
+def test_a_torn_line_of_the_list_is_named_and_the_rest_still_read(run):
+    host = stored_device(run)["host"]
+    path = run / "quarantine.jsonl"
+    other = dict(read_quarantine(path)[0], host="node-7", device="cuda:1", gpu_uuid=None)
+    with path.open("a") as f:
+        f.write('{"host": "node-9", "dev\n')  # a write cut by a full disk
+        f.write(json.dumps(other) + "\n")
+    skipped: list[int] = []
+    assert [e["host"] for e in read_quarantine(path, skipped)] == [host, "node-7"] and skipped == [2]
+    result = quarantine(run)
+    assert result.exit_code == 1, result.output
+    assert "line(s) 2 not a JSON object" in result.stderr
+    document = json.loads(result.stdout)
+    assert sorted(document["hosts"]) == sorted([host, "node-7"])
+    assert {"path": str(path), "reason": "line 2 is not a JSON object", "skipped": True} in document["problems"]

@@ -377,9 +377,10 @@ def _console(*, stderr: bool = False) -> Console:
     return Console(stderr=stderr, emoji=False, soft_wrap=stderr)
 
 
-def _open_run(run_dir: Path) -> RunStores:
+def _open_run(run_dir: Path, *, none_readable_ok: bool = False) -> RunStores:
     """The stores of `run_dir`, opened read-only to read what can be read; exit status 2 when not one
-    can be read (a missing directory, no store, or only unreadable ones, each named on stderr)."""
+    can be read (a missing directory, no store, or only unreadable ones, each named on stderr) unless
+    `none_readable_ok` (the caller has something else to show: the quarantine list)."""
     from aegis_sdc.store.sqlite import RunStores, StoreError
 
     try:
@@ -387,7 +388,7 @@ def _open_run(run_dir: Path) -> RunStores:
     except StoreError as error:
         _console(stderr=True).print(f"error: {_shown(error)}")
         raise typer.Exit(2) from error
-    if not stores.databases:
+    if not stores.databases and not none_readable_ok:
         _print_problems(stores.problems)
         _console(stderr=True).print(f"error: no readable aegis store in {_shown(run_dir)}")
         raise typer.Exit(2)
@@ -561,9 +562,10 @@ def quarantine(
     """Print the devices to drain, for a scheduler: the quarantine list's devices and those of every
     incident committed in the stores, as JSON, a Slurm host list (--exclude=) or kubectl commands.
 
-    Exit status 1: a store skipped or damaged, the list unreadable, or an unsafe host name refused.
+    Exit status 1: a store skipped or damaged (with none readable, the list's devices alone are
+    printed), the list unreadable or a line of it not JSON, or an unsafe host name refused.
 
-    Exit status 2: no store could be read (as `aegis incidents`).
+    Exit status 2: neither a store nor the list could be read (as `aegis incidents`).
     """
     from aegis_sdc.response.quarantine import (
         k8s_commands,
@@ -575,17 +577,27 @@ def quarantine(
     )
     from aegis_sdc.store.sqlite import read_incidents
 
-    with _open_run(run_dir) as stores:
-        records = read_incidents(stores)
     errors = _console(stderr=True)
-    failed = False
     path = list_path or run_dir / "quarantine.jsonl"
+    # A damaged store must not cost the scheduler the list: with no store readable the list's devices
+    # are still printed (exit 1); with neither, exit 2 as `aegis incidents`.
+    with _open_run(run_dir, none_readable_ok=path.is_file()) as stores:
+        failed = not stores.databases
+        records = [] if failed else read_incidents(stores)
+    if failed:
+        errors.print(f"error: no readable aegis store in {_shown(run_dir)}: only the quarantine list's devices")
+    skipped: list[int] = []
     try:
-        entries = read_quarantine(path)
+        entries = read_quarantine(path, skipped)
     except OSError as error:  # a directory, a symbolic link, no permission
         reason = _shown(error.strerror or error)
         errors.print(f"error: {_shown(path)}: cannot be read ({reason}); the stores' devices are listed")
         entries, failed = [], True
+    if skipped:
+        lines = ", ".join(map(str, skipped[:10])) + (" …" if len(skipped) > 10 else "")
+        errors.print(f"error: {_shown(path)}: line(s) {lines} not a JSON object (torn or edited): skipped; the"
+                     " stores' incidents stand in for what they named")  # fmt: skip
+        failed = True
     devices = scheduler_devices(entries, records)
     for d in devices:
         if not d["listed"]:
@@ -596,6 +608,7 @@ def quarantine(
             )
     if output_format == "json":
         problems = [{"path": str(p.path), "reason": p.reason, "skipped": p.skipped} for p in stores.problems]
+        problems += [{"path": str(path), "reason": f"line {n} is not a JSON object", "skipped": True} for n in skipped]
         document = {"run_dir": str(run_dir), "devices": devices, "hosts": scheduler_hosts(devices),
                     "problems": problems}  # fmt: skip
         typer.echo(json.dumps(document, indent=2, default=str))  # JSON escapes control characters itself

@@ -45,18 +45,23 @@ def _read_text_nofollow(path: Path) -> str | None:
         return f.read()
 
 
-def read_quarantine(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every entry of the list (lines that are not JSON objects are skipped: a list edited by hand
-    must not hide the entries around a bad line)."""
+def read_quarantine(path: str | os.PathLike, skipped: list[int] | None = None) -> list[dict[str, Any]]:
+    """Every entry of the list. Lines that are not JSON objects are skipped — a list edited by hand,
+    or a line torn by a full disk, must not hide the entries around it — and their numbers (from 1)
+    appended to `skipped` when given, for the caller to name."""
     text = _read_text_nofollow(Path(path))
     entries = []
-    for line in (text or "").splitlines():
+    for number, line in enumerate((text or "").splitlines(), start=1):
+        if not line.strip():
+            continue
         try:
             entry = json.loads(line)
         except ValueError:
-            continue
+            entry = None
         if isinstance(entry, dict):
             entries.append(entry)
+        elif skipped is not None:
+            skipped.append(number)
     return entries
 
 
