@@ -236,6 +236,8 @@ def run_workload(workload: str, args: argparse.Namespace, compiled: bool) -> dic
             "sampling_plans": [e["message"] for e in read_events(runner.guard.run_dir, ["sampling_plan"])]
             if runner.guard is not None
             else [],
+            # the cost model the budget planned with: ms per check by kind and shape, sites, mean probability
+            "check_costs": runner.guard.planner.cost_table() if runner.guard is not None else [],
             "gpu_ms_mean": statistics.mean(runner.gpu_ms),
             "first_plan_s": runner.first_plan_s,
             "stalls": stalls(runner),

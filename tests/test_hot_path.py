@@ -130,6 +130,26 @@ def test_the_budget_plan_fills_the_budget_by_flops_per_millisecond():
     assert tight.expected_ms == pytest.approx(0.01)  # floors shrink alike when even they do not fit
 
 
+def test_a_checks_cost_scales_its_gemm_to_the_calls_tokens_but_not_the_weights_pass(monkeypatch):
+    # A wide lm_head (vocabulary 32000) at 8192 tokens is timed at 2097 tokens (its operands capped)
+    # and scaled by 8192/2097: the checked GEMM's extra time grows with the tokens, the per-step pass
+    # over the weight does not (it was scaled too, charging the head's weight pass ×3.9).
+    from aegis_sdc.kernels.reference import Tiling
+    from aegis_sdc.ops import cost
+
+    def timed(fn, device):  # which part is timed, from the names its code calls
+        names = fn.__code__.co_names
+        return 5.0 if "weight_side_matrices" in names else 12.0 if "launch_checked_gemm" in names else 10.0
+
+    monkeypatch.setattr(cost, "_median_ms", timed)
+    ms = cost.check_cost_ms("fwd", (8192, 2048, 32000), torch.bfloat16, torch.device("cpu"), col_check=False,
+                            triton=True, tiling=Tiling())  # fmt: skip
+    assert ms == pytest.approx((12.0 - 10.0) * 8192 / 2097 + 5.0)
+    # a call under the cap is timed whole: nothing scaled
+    assert cost.check_cost_ms("fwd", (512, 256, 384), torch.bfloat16, torch.device("cpu"), col_check=False,
+                              triton=True, tiling=Tiling()) == pytest.approx(7.0)  # fmt: skip
+
+
 def test_a_budget_guard_plans_after_calibration_and_keeps_checking_every_site(tmp_path):
     model, data, optimizer = small_workload()
     # the CPU reference path costs several times the plain matmul: half the step buys the floors
@@ -145,6 +165,11 @@ def test_a_budget_guard_plans_after_calibration_and_keeps_checking_every_site(tm
     assert len(attention) == 1 and 0.1 - 1e-9 <= attention[0] <= 1.0
     assert len(guard.budget_plan.probabilities) == len(p) + 1
     assert guard.budget_plan.expected_ms <= guard.budget_plan.allowed_ms * (1 + 1e-9)
+    # the cost table the plan priced with: one entry per kind and shape, every planned site under one
+    table = guard.planner.cost_table()
+    assert sum(row["sites"] for row in table) == len(p) + 1
+    assert {row["kind"] for row in table} == {"fwd", "dgrad", "wgrad", "attention"}
+    assert all(row["ms"] >= 0.0 and 0.1 - 1e-9 <= row["mean_probability"] <= 1.0 for row in table)
     summary = guard.close()
     assert summary.confirmed == 0
     assert 0.0 < summary.attention_checked_flops_fraction <= 1.0

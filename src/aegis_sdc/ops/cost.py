@@ -77,14 +77,15 @@ def check_cost_ms(
     a_log = a.t() if a_t else a  # the logical A [M, K] and B [K, N]
     b_log = b.t() if b_t else b
     plain = _median_ms(lambda: a_log @ b_log, device)
-    extra = 0.0
+    extra = 0.0  # passes over an activation: they grow with the tokens, as the GEMM does
+    weight_ms = 0.0  # the pass over the weight: its size is the weight's whatever the tokens
     if triton and kind != "wgrad":  # the weight is B (stored [N, K] in forward, [K, N] in dgrad): its
         # sums and side matrices, once per step (shared by forward and dgrad: counted with each), into
         # buffers kept from step to step; alone, as the upper bound of its share of a grouped pass
         buffers = WeightSideBuffers.empty(b)
-        extra = _median_ms(lambda: weight_side_matrices(b, out=buffers), device)
+        weight_ms = _median_ms(lambda: weight_side_matrices(b, out=buffers), device)
         if col_check:  # u1 = 1ᵀA: a pass over the activation
-            extra += _median_ms(lambda: SideMatrix.of(a.sum(dim=0, dtype=torch.float64), dtype), device)
+            extra = _median_ms(lambda: SideMatrix.of(a.sum(dim=0, dtype=torch.float64), dtype), device)
     if triton and kind == "wgrad":  # X·1 (and dY·1 for the column side): a pass over each operand
         # when no checked forward (dgrad) made it as a by-product
         extra = _median_ms(lambda: (row_sums(b), row_sums(a) if col_check else None), device)
@@ -106,7 +107,10 @@ def check_cost_ms(
         def checked() -> None:
             checked_gemm(a_log, b_log, out_dtype=dtype, col_check=col_check, tiling=tiling)
 
-    return max(0.0, _median_ms(checked, device) + extra - plain) * tokens / timed
+    # Timed at `timed` of the call's `tokens` (a wide lm_head's operands are capped): the GEMM and
+    # the activation passes scale to the whole call, the weight's pass does not (scaled too, a 32K
+    # vocabulary head at 8K tokens was charged its weight pass ×3.9).
+    return max(0.0, (_median_ms(checked, device) + extra - plain) * tokens / timed + weight_ms)
 
 
 ATTENTION_TIMED_FLOPS = 1 << 36  # per timed call: a few milliseconds on a GPU; larger calls scale by heads

@@ -56,6 +56,7 @@ class StepPlanner:
         self.saved_checker: Any = None  # the saved-tensor fingerprints: a budget probe step forces one
         self.last_calls: list[int] = []  # the calls of each Linear in the last step that made any
         self._check_costs: dict[tuple, float] = {}  # measured ms per check, by kind and shape
+        self._planned: list[tuple[tuple, float]] = []  # the last plan: each site's cost key and probability
         # the state sensors under the budget: their ms per step at the configured periods, and how
         # to adopt the factor the budget puts on those periods (None: the step's exchange agrees it)
         self.state_sensors_ms: Callable[[], float] = lambda: 0.0
@@ -113,6 +114,8 @@ class StepPlanner:
         if plan is None:
             return
         gemms = len(self.sensors)
+        keys = [self._gemm_key(s) for s in self.sensors] + [self._attention_key(s) for s in attention]
+        self._planned = list(zip(keys, plan.probabilities.tolist(), strict=True))
         self.plan.set_probabilities(plan.probabilities[:gemms])
         for sensor, probability in zip(attention, plan.probabilities[gemms:], strict=True):
             sensor.probability = float(probability)
@@ -130,10 +133,31 @@ class StepPlanner:
              None)
         )  # fmt: skip
 
+    def cost_table(self) -> list[dict[str, Any]]:
+        """The cost model as measured — ms a check adds, by kind and shape — with the number of sites
+        the last plan priced at each entry and the mean probability it gave them: what the budget
+        bought, for benchmarks and for a user asking why a site is seldom checked."""
+        planned: dict[tuple, list[float]] = {}
+        for key, probability in self._planned:
+            planned.setdefault(key, []).append(probability)
+        return [
+            {"kind": key[0], "shape": [str(v) for v in key[1:]], "ms": ms, "sites": len(planned.get(key, ())),
+             "mean_probability": float(np.mean(planned[key])) if key in planned else None}
+            for key, ms in self._check_costs.items()
+        ]  # fmt: skip
+
+    @staticmethod
+    def _attention_key(sensor: AttentionSensor) -> tuple:
+        return ("attention", *(sensor.shape or ()))
+
+    @staticmethod
+    def _gemm_key(sensor: GemmSensor) -> tuple:
+        return (sensor.site.kind.value, sensor.shape, sensor.dtype, sensor.col_check, sensor.triton)
+
     def _attention_cost(self, sensor: AttentionSensor) -> float:
         if sensor.shape is None:
             return 0.0  # never called (or never checkable): nothing to time
-        key = ("attention", *sensor.shape)
+        key = self._attention_key(sensor)
         if key not in self._check_costs:
             self._check_costs[key] = attention_check_cost_ms(*sensor.shape, self.device)
         return self._check_costs[key]
@@ -141,7 +165,7 @@ class StepPlanner:
     def _check_cost(self, sensor: GemmSensor) -> float:
         if sensor.shape is None or sensor.dtype is None:
             return 0.0  # never called: nothing to time, and nothing its checks would cost
-        key = (sensor.site.kind.value, sensor.shape, sensor.dtype, sensor.col_check, sensor.triton)
+        key = self._gemm_key(sensor)
         cost = self._check_costs.get(key)
         if cost is None:
             cost = self._check_costs[key] = check_cost_ms(
