@@ -52,7 +52,9 @@ def protect(
     start_step: int = 0,
     process_group=None,
 ) -> Guard:
-    """Check every `nn.Linear` of `model` (those `config.include`/`exclude` and `filter` keep).
+    """Check every `nn.Linear` of `model` (those `config.include`/`exclude` and `filter` keep), and the
+    matrix parameters other modules multiply by through `F.linear` or a grouped GEMM — a mixture of
+    experts' experts and routers (those `include`/`exclude` keep; docs/integrations.md).
 
     With an `optimizer`, the end of each step is its `step()`: evidence is judged and vTasks are
     verified in its pre-hook, before any weight changes. Without one, call `guard.step()` once per

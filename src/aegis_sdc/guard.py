@@ -65,6 +65,12 @@ from aegis_sdc.events import (
 from aegis_sdc.faults.injector import FaultInjector
 from aegis_sdc.integrations.attention import AttentionRouter, attention_outside_sdpa
 from aegis_sdc.integrations.checkpointing import RecomputeChecker, SavedTensorChecker
+from aegis_sdc.integrations.matrices import (
+    is_in_place,
+    restore_matrix_modules,
+    select_matrix_modules,
+    swap_matrix_modules,
+)
 from aegis_sdc.integrations.modules import (
     GuardHook,
     LinearFilter,
@@ -228,7 +234,11 @@ class Guard:
         self.attention_records: list[AttentionRecord] = []
         self.attention_sensors: dict[str, AttentionSensor] = {}
         self._swaps = swap_linears(model, chosen, self._make_hooks)
-        self.unprotected_modules = unprotected_modules(model, {id(swap.checked) for swap in self._swaps})
+        # MoE experts and routers: matrix parameters multiplied by F.linear (integrations/matrices.py)
+        matrices = select_matrix_modules(model, config.include, config.exclude)
+        self._matrix_swaps = swap_matrix_modules(model, matrices, self._make_hooks, self._unseen_matrix)
+        protected = {id(swap.checked) for swap in [*self._swaps, *self._matrix_swaps]}
+        self.unprotected_modules = unprotected_modules(model, protected)
         if self.unprotected_modules:  # named at once: nothing matmul-bearing is left out silently
             first, reason = next(iter(self.unprotected_modules.items()))
             warnings.warn(f"aegis-sdc: {len(self.unprotected_modules)} matmul modules not protected, e.g. {first}: "
@@ -340,6 +350,14 @@ class Guard:
             message = f"{module}: not checked on this GPU — {reason}"
             self._pending_events.append(("not_covered", message, self._site_id(f"{module}:fwd")))
             warnings.warn(f"aegis-sdc: {message}", stacklevel=4)
+
+    def _unseen_matrix(self, name: str, reason: str) -> None:
+        """A matrix of a protected matrix module that its first call multiplied by another kernel than
+        F.linear: named once, in a warning and the coverage, as an unprotected module is."""
+        if name not in self.unprotected_modules:
+            self.unprotected_modules[name] = reason
+            self._pending_events.append(("not_covered", f"{name}: {reason}", None))
+            warnings.warn(f"aegis-sdc: {name}: {reason}", stacklevel=4)
 
     def _uncovered_attention(self, module: str, reason: str, warn: bool = True) -> None:
         """An attention module of the model whose calls stay unchecked: named once, in a warning and
@@ -614,7 +632,8 @@ class Guard:
         """What is protected, the matmul FLOPs of the last recorded step and their checked share, and
         what is not covered and why (runtime/coverage.py)."""
         protected: Counter[str] = Counter()
-        for checked in {id(swap.checked): swap.original for swap in self._swaps}.values():
+        standing = [*self._swaps, *filter(is_in_place, self._matrix_swaps)]  # (a matrix module released)
+        for checked in {id(swap.checked): swap.original for swap in standing}.values():
             protected[type(checked).__name__] += 1
         calls = self.planner.last_calls or [0] * self.plan.linears
         gemm = sum(calls[s.site.id // GEMMS_PER_LINEAR] * s.flops for s in self.sensors)
@@ -661,6 +680,7 @@ class Guard:
             if self._router is not None:
                 self._router.uninstall()
             restore_linears(self._swaps)
+            restore_matrix_modules(self._matrix_swaps)
             if self.dist is not None:
                 self.dist.close()
             self._decide_certificates(final=True)
@@ -683,6 +703,8 @@ class Guard:
                 self._router.uninstall()
             if hasattr(self, "_swaps"):
                 restore_linears(self._swaps)
+            if hasattr(self, "_matrix_swaps"):
+                restore_matrix_modules(self._matrix_swaps)
             if getattr(self, "dist", None) is not None:
                 self.dist.close()
             if hasattr(self, "step_recorder"):

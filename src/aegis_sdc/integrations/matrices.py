@@ -1,0 +1,317 @@
+"""Matrix parameters outside nn.Linear: mixture-of-experts weights and routers, checked as Linears.
+
+Transformers 5 keeps a MoE layer's experts as 3-D parameters — `gate_up_proj` [experts, 2·I, H] and
+`down_proj` [experts, H, I] (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, ...) — and runs expert e as
+`F.linear(x_e, gate_up_proj[e])` over the tokens routed to it; its router is `F.linear(x, weight)`
+on a 2-D parameter of its own. None of them is an nn.Linear the module swap can take, yet the
+experts are most of such a model's matmul FLOPs.
+
+A module holding matrix parameters of its own (2-D, or 3-D [experts, out, in]; not a Linear,
+convolution, embedding or attention module, which have their own handling) is swapped for a
+checked subclass of its class (the Linear swap's way: same parameter, buffer and hook dictionaries,
+copies and pickles are the plain module) whose forward runs the original one under a
+`TorchFunctionMode`: each `F.linear` whose weight is one of the module's 2-D parameters, or the
+slice `p[e]` of a 3-D one, runs as the checked Linear of that matrix — its own forward, dgrad and
+wgrad sites, named `<module>.<e>.<parameter>` for an expert (`model.layers.0.mlp.experts.3.gate_up_proj`)
+and `<module>` for a module's only matrix `weight` (a router), else `<module>.<parameter>`. Its
+gradient reaches the parameter through the slice, as it does unprotected. Every other op of the
+forward runs as it would.
+
+What the mode cannot see stays named, never silently skipped: a matrix parameter that no F.linear
+of the module's first call with any input read — an expert kernel other than the eager loop
+(`experts_implementation="grouped_mm"` runs `torch._grouped_mm`), a bmm on a transposed layout, a
+position table added by broadcasting — is named in a warning and in the coverage report.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from aegis_sdc.integrations.modules import _plain_reduce, checked_call, checked_class, compiled_call, is_protected
+from aegis_sdc.ops import linear_op
+from aegis_sdc.ops.checked_linear import LinearHooks
+
+# Modules whose matrices other code handles or names: the Linear swap, attention routing, lookups.
+OWN_HANDLING = (nn.Linear, nn.MultiheadAttention, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding,
+                nn.EmbeddingBag)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MatrixLinear:
+    """One matrix of a module as a Linear: W [out, in] = the parameter, or the slice p[expert]."""
+
+    name: str  # the sites' module name
+    parameter: str
+    expert: int | None  # the slice of a 3-D parameter, None for a 2-D one
+    hooks: LinearHooks
+    handle: int  # its hooks in ops/linear_op.py's registry (the compiled path)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return compiled_call(self.handle, x, weight, bias)
+        plans = self.hooks.plans_for_call(x, weight)
+        if plans is None:  # not sampled in this step: exactly the module's own F.linear
+            return F.linear(x, weight, bias)
+        return checked_call(self.name, self.hooks, x, weight, bias, weight, plans)
+
+
+def matrix_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's own parameters a Linear could multiply by: 2-D [out, in] and 3-D [experts, out,
+    in] (a leading dimension of 1 marks a tensor added by broadcasting, not a matrix)."""
+    return [(name, p) for name, p in module.named_parameters(recurse=False) if p.dim() in (2, 3) and p.shape[0] > 1]
+
+
+def select_matrix_modules(
+    model: nn.Module, include: Sequence[str], exclude: Sequence[str]
+) -> list[tuple[str, nn.Module]]:
+    """The modules with matrix parameters of their own to protect, in module order (identical on
+    every rank); GuardConfig.include/exclude select them by name as they select Linears."""
+    chosen = []
+    for name, module in model.named_modules():
+        if not name or isinstance(module, OWN_HANDLING) or checked_class(module) is not None or is_protected(module):
+            continue
+        if type(module).__name__ == "Conv1D" or not matrix_parameters(module):
+            continue  # (a Conv1D left out by include/exclude is named as such: runtime/coverage.py)
+        included = any(fnmatch.fnmatchcase(name, p) for p in include)
+        if included and not any(fnmatch.fnmatchcase(name, p) for p in exclude):
+            chosen.append((name, module))
+    return chosen
+
+
+def _linear_names(name: str, parameters: list[tuple[str, nn.Parameter]]) -> list[tuple[str, str, int | None]]:
+    """(site module name, parameter, expert) for every matrix of a module (the module docstring)."""
+    alone = len(parameters) == 1 and parameters[0][0] == "weight" and parameters[0][1].dim() == 2
+    names = []
+    for pname, p in parameters:
+        if p.dim() == 2:
+            names.append((name if alone else f"{name}.{pname}", pname, None))
+        else:
+            names.extend((f"{name}.{e}.{pname}", pname, e) for e in range(p.shape[0]))
+    return names
+
+
+class _LinearsOf(TorchFunctionMode):
+    """During one forward of a checked matrix module: F.linear on its matrices, and grouped GEMMs over
+    its experts, run checked (the mode is off inside its own handler: the checked op's own calls pass)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.seen: set[str] = set()  # parameters some F.linear or grouped GEMM multiplied by
+        self.on_device: set[str] = set()  # of those, by grouped GEMMs left unchecked (CUDA)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            linear = _linear_for(self.module, weight)
+            if linear is not None:
+                self.seen.add(linear.parameter)
+                return linear(x, weight, bias)
+        elif _is_grouped_mm(func) and len(args) >= 2:
+            out = self._grouped(args[0], args[1], kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+    def _grouped(self, x: torch.Tensor, weight: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+        """`grouped_mm(x [S, in], W [experts, in, out], offs)` over one of the module's expert
+        parameters as each expert's checked Linear on its rows (offs: the cumulative row ends; rows
+        past the last are zero), or None to run it as it is."""
+        offs, extra = kwargs.get("offs"), {k: v for k, v in kwargs.items() if k not in ("offs", "out_dtype")}
+        target = _grouped_target(self.module, weight)
+        if target is None or offs is None or any(v is not None for v in extra.values()) or x.dim() != 2:
+            return None
+        pname, stored_in_out = target
+        self.seen.add(pname)
+        if x.device.type != "cpu":
+            # Splitting the rows by expert needs the routing on the host: a device sync per call,
+            # which the hot path does not take. Named once (the forward below).
+            self.on_device.add(pname)
+            return None
+        param = self.module._parameters[pname]
+        outs, start = [], 0
+        for expert, end in enumerate(offs.tolist()):
+            w = param[expert].t() if stored_in_out else param[expert]  # [out, in]
+            rows = x[start:end]
+            linear = self.module.aegis_matrix.linears[(pname, expert)]
+            outs.append(linear(rows, w, None) if end > start else rows @ w.t())
+            start = end
+        outs.append(x.new_zeros(x.shape[0] - start, weight.shape[-1]))
+        out = torch.cat(outs)
+        return out if kwargs.get("out_dtype") is None else out.to(kwargs["out_dtype"])
+
+
+def _is_grouped_mm(func: object) -> bool:
+    """torch._grouped_mm (what F.grouped_mm calls) or transformers' fallback op of it."""
+    return func is getattr(torch, "_grouped_mm", None) or str(func) in (
+        "transformers.grouped_mm_fallback",
+        "transformers.grouped_mm_fallback.default",
+    )
+
+
+def _grouped_target(module: nn.Module, weight: torch.Tensor) -> tuple[str, bool] | None:
+    """(parameter, stored [experts, in, out]) when a grouped GEMM's W [experts, in, out] is one of the
+    module's 3-D parameters: the parameter itself (stored so), or its transpose p.transpose(-2, -1)
+    (stored [experts, out, in], the Linear's layout)."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        return None
+    base = weight if weight._base is None else weight._base
+    for pname, experts in module.aegis_matrix.matrices:
+        param = module._parameters.get(pname)
+        if experts is None or param is None or base is not param:
+            continue
+        if weight is param:
+            return pname, True
+        swapped = param.transpose(-2, -1)
+        if (weight.shape, weight.stride(), weight.storage_offset()) == (swapped.shape, swapped.stride(),
+                                                                        swapped.storage_offset()):  # fmt: skip
+            return pname, False
+    return None
+
+
+def _linear_for(module: nn.Module, weight: torch.Tensor) -> MatrixLinear | None:
+    """The matrix `weight` is: one of the module's parameters, or a whole slice p[e] of a 3-D one."""
+    if not isinstance(weight, torch.Tensor):
+        return None
+    base = weight if weight._base is None else weight._base
+    state = module.aegis_matrix
+    for pname, experts in state.matrices:
+        param = module._parameters.get(pname)  # looked up by name: a parameter replaced since stays covered
+        if param is None or base is not param:
+            continue
+        if experts is None:
+            return state.linears[(pname, None)] if weight is param else None
+        if weight.shape == param.shape[1:] and weight.stride() == param.stride()[1:]:
+            expert, rest = divmod(weight.storage_offset() - param.storage_offset(), param.stride(0))
+            if rest == 0 and 0 <= expert < param.shape[0]:
+                return state.linears[(pname, expert)]
+    return None
+
+
+@dataclass
+class MatrixState:
+    """What a checked matrix module carries (its `aegis_matrix` attribute)."""
+
+    name: str
+    kind: str  # the user's class name
+    matrices: list[tuple[str, int | None]]  # (parameter, experts of a 3-D one, None for 2-D)
+    linears: dict[tuple[str, int | None], MatrixLinear]
+    unseen: Callable[[str, str], None]  # names a matrix no checked op multiplied by
+    release: Callable[[], None]  # puts the user's module back in the model
+    first_call_done: bool = False
+
+    def after_first_call(self, mode: _LinearsOf) -> None:
+        """Name each matrix the first call did not check; with none checked at all, give the model its
+        own module back (the mode would cost every later call Python work for nothing)."""
+        self.first_call_done = True
+        checked = mode.seen - mode.on_device
+        for pname, _ in self.matrices:
+            if pname not in checked:
+                self.unseen(f"{self.name}.{pname}", _unseen_reason(self.kind, pname, pname in mode.on_device))
+        if not checked:
+            self.release()
+
+
+_CHECKED_CLASSES: dict[type, type] = {}
+
+
+def checked_matrix_class(base: type) -> type:
+    """`Checked<base>`: the user's class with its forward run under `_LinearsOf` (one per class)."""
+    cls = _CHECKED_CLASSES.get(base)
+    if cls is None:
+
+        def forward(self, *args, **kwargs):
+            mode = _LinearsOf(self)
+            with mode:
+                out = base.forward(self, *args, **kwargs)
+            state = self.aegis_matrix
+            if not state.first_call_done and any(isinstance(a, torch.Tensor) and a.numel() for a in args):
+                state.after_first_call(mode)
+            return out
+
+        def extra_repr(self) -> str:
+            return base.extra_repr(self) + ", checked=True"
+
+        def reduce(self, protocol: object) -> tuple:  # copies and pickles are the user's module
+            return _plain_reduce(self)
+
+        members = {"forward": forward, "extra_repr": extra_repr, "__reduce_ex__": reduce, "__module__": __name__}
+        cls = _CHECKED_CLASSES[base] = type(f"Checked{base.__name__}", (base,), members)
+    return cls
+
+
+@dataclass(frozen=True)
+class MatrixSwap:
+    parent: nn.Module
+    attr: str
+    original: nn.Module
+    checked: nn.Module
+
+
+def swap_matrix_modules(
+    model: nn.Module,
+    chosen: list[tuple[str, nn.Module]],
+    make_hooks: Callable[[str, nn.Module], LinearHooks],
+    unseen: Callable[[str, str], None],
+) -> list[MatrixSwap]:
+    """Replace each chosen module by its checked class; `make_hooks(name, module)` builds the sensors of
+    each of its matrices, `unseen(name, reason)` names a matrix its first call did not check."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in model.modules():
+        for attr, child in parent.named_children():
+            places.setdefault(id(child), []).append((parent, attr))
+    swaps: list[MatrixSwap] = []
+    for name, module in chosen:
+        parameters = matrix_parameters(module)
+        linears = {}
+        for site_name, pname, expert in _linear_names(name, parameters):
+            hooks = make_hooks(site_name, module)
+            linears[(pname, expert)] = MatrixLinear(site_name, pname, expert, hooks, linear_op.register(hooks))
+        cls = checked_matrix_class(type(module))
+        checked = cls.__new__(cls)
+        checked.__dict__.update(module.__dict__)  # shares _parameters, _buffers, _modules, hook dicts
+        mine = [MatrixSwap(parent, attr, module, checked) for parent, attr in places.get(id(module), ())]
+        state = MatrixState(name, type(module).__name__,
+                            [(pname, None if p.dim() == 2 else p.shape[0]) for pname, p in parameters], linears,
+                            unseen, lambda mine=mine: restore_matrix_modules(mine))  # fmt: skip
+        object.__setattr__(checked, "aegis_matrix", state)
+        object.__setattr__(checked, "aegis_hooks", None)  # marks it protected (integrations/modules.is_protected)
+        for swap in mine:
+            setattr(swap.parent, swap.attr, checked)
+        swaps.extend(mine)
+    return swaps
+
+
+def _unseen_reason(kind: str, pname: str, grouped_on_device: bool) -> str:
+    if grouped_on_device:
+        return (
+            f"{kind}.{pname}: its experts run as one grouped GEMM on the GPU, which is not checked (checking "
+            "them expert by expert needs the routing on the host; experts_implementation='eager' is checked)"
+        )
+    return (f"{kind}.{pname}: neither F.linear nor a grouped GEMM multiplied by it in the module's first call "
+            "(another kernel, or a matmul on its own layout): not checked")  # fmt: skip
+
+
+def is_in_place(swap: MatrixSwap) -> bool:
+    """Whether the checked module still stands in the model where the swap put it."""
+    return getattr(swap.parent, swap.attr, None) is swap.checked
+
+
+def restore_matrix_modules(swaps: list[MatrixSwap]) -> None:
+    """Put the user's modules back (those still in place; their Linears' handles unregistered)."""
+    standing = [swap for swap in swaps if is_in_place(swap)]
+    for checked in {id(s.checked): s.checked for s in standing}.values():
+        for linear in checked.aegis_matrix.linears.values():
+            linear_op.unregister(linear.handle)
+    for swap in reversed(standing):
+        setattr(swap.parent, swap.attr, swap.original)

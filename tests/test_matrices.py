@@ -1,0 +1,181 @@
+"""Matrix parameters outside nn.Linear (integrations/matrices.py): a mixture-of-experts model's experts
+([experts, out, in] parameters run by transformers' grouped GEMM or its eager loop of F.linear) and
+routers are checked as Linears, one set of sites per expert; a matrix no checked op multiplies by is
+named, and its module handed back."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tests.helpers import guard_config
+
+import aegis_sdc as aegis
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=128)  # fmt: skip
+EXPERTS = 4
+
+
+def moe_model(family: str, implementation: str = "grouped_mm"):
+    torch.manual_seed(0)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(**COMMON, num_local_experts=EXPERTS, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        config = transformers.Qwen2MoeConfig(**COMMON, num_experts=EXPERTS, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, shared_expert_intermediate_size=64)  # fmt: skip
+        model = transformers.Qwen2MoeForCausalLM(config)
+    model.config._experts_implementation = implementation  # what experts_implementation= sets at loading
+    return model
+
+
+def batches(steps: int):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (4, 32), generator=g) for _ in range(steps)]
+
+
+def train(model, guard_cfg, steps: int = 8, lr: float = 1e-3):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_cfg)
+    for ids in batches(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return guard, guard.close()
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_every_expert_and_router_of_a_moe_model_is_checked_and_nothing_is_left_out(tmp_path, family, implementation):
+    model = moe_model(family, implementation)
+    guard, summary = train(model, guard_config(tmp_path), steps=2)
+    names = {site.name.rsplit(":", 1)[0] for site in guard.sites}
+    for layer in range(2):
+        mlp = f"model.layers.{layer}.mlp"
+        experts = {f"{mlp}.experts.{e}.{p}" for e in range(EXPERTS) for p in ("gate_up_proj", "down_proj")}
+        assert experts <= names and f"{mlp}.gate" in names  # one Linear's sites per expert, and the router
+    assert summary.confirmed == 0 and summary.false_alarms == 0
+    assert summary.coverage["not_covered"] == {}  # nothing named: every matrix was checked
+    assert all(sensor.shape is not None for sensor in guard.sensors)  # every site's GEMM ran checked
+    assert type(model.model.layers[0].mlp.experts).__name__ in ("MixtralExperts", "Qwen2MoeExperts")  # closed
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_a_protected_moe_model_computes_what_the_unprotected_one_does(tmp_path, implementation):
+    # The checked GEMMs accumulate in fp32 tile by tile, the unprotected ones in fp32 in their own order:
+    # the loss and every gradient agree to fp32 rounding over K ≤ 128 products (relative 1e-5 is
+    # ~80 units of 2⁻²⁴, far above that order's difference, far below any real error).
+    reference, model = moe_model("mixtral", implementation), moe_model("mixtral", implementation)
+    (ids,) = batches(1)
+    guard = aegis.protect(model, optimizer=None, config=guard_config(tmp_path))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    expected = reference(input_ids=ids, labels=ids).loss
+    expected.backward()
+    guard.close()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    ours = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        assert (ours[name].grad is None) == (p.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(ours[name].grad, p.grad, rtol=1e-5, atol=1e-5 * p.grad.abs().max().item())
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+@pytest.mark.parametrize(
+    "site",
+    ["model.layers.1.mlp.experts.2.gate_up_proj:fwd", "model.layers.0.mlp.experts.1.down_proj:dgrad",
+     "model.layers.1.mlp.experts.3.down_proj:wgrad", "model.layers.0.mlp.gate:fwd", "model.layers.1.mlp.gate:wgrad"],
+)  # fmt: skip
+def test_a_fault_in_an_experts_or_a_routers_gemm_is_confirmed_at_its_site_and_step(tmp_path, site, implementation):
+    spec = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(5,))
+    config = guard_config(tmp_path, faults=(spec,), response=aegis.ResponseConfig(policy="skip-step"))
+    guard, summary = train(moe_model("mixtral", implementation), config)
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(5, site)]
+    assert summary.false_alarms == 0 and summary.not_verifiable == 0
+
+
+def test_copies_of_a_protected_moe_model_are_plain_and_closing_gives_the_modules_back(tmp_path):
+    model = moe_model("mixtral")
+    experts, router = model.model.layers[0].mlp.experts, model.model.layers[0].mlp.gate
+    guard = aegis.protect(model, optimizer=None, config=guard_config(tmp_path))
+    assert type(model.model.layers[0].mlp.experts).__name__ == "CheckedMixtralExperts"
+    copied = copy.deepcopy(model)
+    assert type(copied.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
+    assert type(copied.model.layers[0].mlp.gate).__name__ == "MixtralTopKRouter"
+    assert not any(key.startswith("aegis_") for key in vars(copied.model.layers[0].mlp.experts))
+    guard.close()
+    assert model.model.layers[0].mlp.experts is experts and model.model.layers[0].mlp.gate is router
+
+
+class PositionTable(torch.nn.Module):
+    """A matrix parameter added, not multiplied: no checked op can see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(8, 16))
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x + self.table)
+
+
+class Bilinear(torch.nn.Module):
+    """A matrix multiplied by matmul on its own layout [in, out], not by F.linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def test_a_matrix_no_checked_op_multiplies_by_is_named_and_its_module_handed_back(tmp_path):
+    model = torch.nn.Sequential(PositionTable(), Bilinear(), torch.nn.Linear(16, 4))
+    guard = aegis.protect(model, optimizer=None, config=guard_config(tmp_path))
+    assert [type(m).__name__ for m in model] == ["CheckedPositionTable", "CheckedBilinear", "CheckedLinear"]
+    with pytest.warns(UserWarning) as caught:
+        model(torch.randn(2, 8, 16)).sum().backward()
+    named = sorted(str(w.message) for w in caught if "not checked" in str(w.message))
+    assert len(named) == 2 and "0.table" in named[0] and "1.w" in named[1]
+    # none of their matrices checked: the model runs their own classes from the next call on
+    assert [type(m).__name__ for m in model] == ["PositionTable", "Bilinear", "CheckedLinear"]
+    model(torch.randn(2, 8, 16)).sum().backward()
+    report = guard.coverage_report()
+    summary = guard.close()
+    assert {"0.table", "1.w"} <= set(report.not_covered) and "neither F.linear" in report.not_covered["1.w"]
+    assert report.protected == {"Linear": 2}  # the position table's Linear and the head
+    assert summary.confirmed == 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_grouped_experts_are_named_and_handed_back_and_eager_experts_are_checked(tmp_path):
+    # Splitting a grouped GEMM by expert needs the routing on the host (a sync per call): on the GPU
+    # the grouped experts run as they are, named; the eager loop's F.linear per expert is checked.
+    for implementation in ("grouped_mm", "eager"):
+        model = moe_model("mixtral", implementation).to("cuda", torch.bfloat16)
+        site = "model.layers.1.mlp.experts.2.gate_up_proj:fwd"
+        spec = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(5,))
+        config = guard_config(tmp_path / implementation, faults=(spec,), sampling=aegis.SamplingConfig.every_call())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = aegis.protect(model, optimizer=optimizer, config=config)
+        for ids in batches(8):
+            ids = ids.cuda()
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        summary = guard.close()
+        not_covered = summary.coverage["not_covered"]
+        if implementation == "grouped_mm":
+            assert "model.layers.0.mlp.experts.gate_up_proj" in not_covered
+            assert "grouped GEMM on the GPU" in not_covered["model.layers.0.mlp.experts.gate_up_proj"]
+            assert guard.incidents == []
+        else:
+            assert not any("experts" in key for key in not_covered)
+            assert [(i.step, i.site.name) for i in guard.incidents] == [(5, spec.site)]
+        assert summary.false_alarms == 0
