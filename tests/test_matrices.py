@@ -124,27 +124,65 @@ class PositionTable(torch.nn.Module):
         return self.proj(x + self.table)
 
 
-class Bilinear(torch.nn.Module):
-    """A matrix multiplied by matmul on its own layout [in, out], not by F.linear."""
+class Einsum(torch.nn.Module):
+    """A matrix multiplied by an einsum: no op the guard checks."""
 
     def __init__(self) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(16, 16) / 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.w
+        return torch.einsum("...i,io->...o", x, self.w)
+
+
+class Matmul(torch.nn.Module):
+    """A matrix on its own layout [in, out] and a stack of them [experts, in, out], multiplied by `@`
+    (GPT-OSS's eager experts): each the Linear of its transpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 32) / 4)
+        self.stack = torch.nn.Parameter(torch.randn(3, 32, 16) / 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w
+        return sum(h @ self.stack[e] for e in range(3))
+
+
+@pytest.mark.parametrize("site", ["0.w:fwd", "0.1.stack:dgrad", "0.2.stack:wgrad"])
+def test_a_matrix_multiplied_by_matmul_is_checked_as_the_linear_of_its_transpose(tmp_path, site):
+    model = torch.nn.Sequential(Matmul(), torch.nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    spec = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(2,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(spec,)))
+    x = torch.randn(2, 8, 16)
+    model(x).sum().backward()  # step 0: what the unprotected model computes (fp32 sums over K ≤ 32)
+    reference(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    optimizer.step()
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(2, 8, 16)).sum().backward()
+        optimizer.step()
+    summary = guard.close()
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(2, site)]
+    # a forward fault's huge element reaches the next matmuls: their replays reproduce — extreme data,
+    # false alarms that leave every threshold alone
+    assert summary.false_alarms == summary.data_false_alarms and summary.coverage["not_covered"] == {}
 
 
 def test_a_matrix_no_checked_op_multiplies_by_is_named_and_its_module_handed_back(tmp_path):
-    model = torch.nn.Sequential(PositionTable(), Bilinear(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(PositionTable(), Einsum(), torch.nn.Linear(16, 4))
     guard = aegis.protect(model, optimizer=None, config=guard_config(tmp_path))
-    assert [type(m).__name__ for m in model] == ["CheckedPositionTable", "CheckedBilinear", "CheckedLinear"]
+    assert [type(m).__name__ for m in model] == ["CheckedPositionTable", "CheckedEinsum", "CheckedLinear"]
     with pytest.warns(UserWarning) as caught:
         model(torch.randn(2, 8, 16)).sum().backward()
     named = sorted(str(w.message) for w in caught if "not checked" in str(w.message))
     assert len(named) == 2 and "0.table" in named[0] and "1.w" in named[1]
     # none of their matrices checked: the model runs their own classes from the next call on
-    assert [type(m).__name__ for m in model] == ["PositionTable", "Bilinear", "CheckedLinear"]
+    assert [type(m).__name__ for m in model] == ["PositionTable", "Einsum", "CheckedLinear"]
     model(torch.randn(2, 8, 16)).sum().backward()
     report = guard.coverage_report()
     summary = guard.close()

@@ -1,26 +1,29 @@
 """Matrix parameters outside nn.Linear: mixture-of-experts weights and routers, checked as Linears.
 
 Transformers 5 keeps a MoE layer's experts as 3-D parameters — `gate_up_proj` [experts, 2·I, H] and
-`down_proj` [experts, H, I] (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, ...) — and runs expert e as
-`F.linear(x_e, gate_up_proj[e])` over the tokens routed to it; its router is `F.linear(x, weight)`
-on a 2-D parameter of its own. None of them is an nn.Linear the module swap can take, yet the
-experts are most of such a model's matmul FLOPs.
+`down_proj` [experts, H, I] (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, ...) — and runs them as one
+grouped GEMM over the tokens sorted by expert (`torch._grouped_mm`, the default) or as a loop of
+`F.linear(x_e, gate_up_proj[e])` (`experts_implementation="eager"`); its router is
+`F.linear(x, weight)` on a 2-D parameter of its own. None of them is an nn.Linear the module swap can
+take, yet the experts are most of such a model's matmul FLOPs.
 
 A module holding matrix parameters of its own (2-D, or 3-D [experts, out, in]; not a Linear,
 convolution, embedding or attention module, which have their own handling) is swapped for a
 checked subclass of its class (the Linear swap's way: same parameter, buffer and hook dictionaries,
 copies and pickles are the plain module) whose forward runs the original one under a
-`TorchFunctionMode`: each `F.linear` whose weight is one of the module's 2-D parameters, or the
-slice `p[e]` of a 3-D one, runs as the checked Linear of that matrix — its own forward, dgrad and
-wgrad sites, named `<module>.<e>.<parameter>` for an expert (`model.layers.0.mlp.experts.3.gate_up_proj`)
-and `<module>` for a module's only matrix `weight` (a router), else `<module>.<parameter>`. Its
-gradient reaches the parameter through the slice, as it does unprotected. Every other op of the
-forward runs as it would.
+`TorchFunctionMode`. Each `F.linear` whose weight is one of the module's 2-D parameters or a slice
+`p[e]` of a 3-D one, each `x @ w` on such a matrix ([in, out]: the Linear of wᵀ), and each grouped
+GEMM over a 3-D one (split by expert on its rows) runs as the checked Linear of that matrix — its
+own forward, dgrad and wgrad sites, named `<module>.<e>.<parameter>` for an expert
+(`model.layers.0.mlp.experts.3.gate_up_proj`) and `<module>` for a module's only matrix `weight` (a
+router), else `<module>.<parameter>`. The gradient reaches the parameter through the slice, as it
+does unprotected. Every other op of the forward runs as it would.
 
-What the mode cannot see stays named, never silently skipped: a matrix parameter that no F.linear
-of the module's first call with any input read — an expert kernel other than the eager loop
-(`experts_implementation="grouped_mm"` runs `torch._grouped_mm`), a bmm on a transposed layout, a
-position table added by broadcasting — is named in a warning and in the coverage report.
+What the mode cannot check stays named, never silently skipped: a matrix that no such op multiplied
+by in the module's first call with any input (an einsum or bmm, a position table added by
+broadcasting), and on a GPU a grouped GEMM (split by expert, it needs the routing on the host: a
+device sync per call) — named in a warning and the coverage report; a module none of whose
+matrices was checked is handed back to the model.
 """
 
 from __future__ import annotations
@@ -56,16 +59,22 @@ class MatrixLinear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return compiled_call(self.handle, x, weight, bias)
-        plans = self.hooks.plans_for_call(x, weight)
-        if plans is None:  # not sampled in this step: exactly the module's own F.linear
+        return self.run(x, weight, bias, self.hooks.plans_for_call(x, weight))
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plans: tuple | None
+            ) -> torch.Tensor:  # fmt: skip
+        """This call as planned: checked, or (plans None) exactly the module's own F.linear."""
+        if plans is None:
             return F.linear(x, weight, bias)
         return checked_call(self.name, self.hooks, x, weight, bias, weight, plans)
 
 
 def matrix_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The module's own parameters a Linear could multiply by: 2-D [out, in] and 3-D [experts, out,
-    in] (a leading dimension of 1 marks a tensor added by broadcasting, not a matrix)."""
-    return [(name, p) for name, p in module.named_parameters(recurse=False) if p.dim() in (2, 3) and p.shape[0] > 1]
+    in] (a leading dimension of 1 marks a tensor added by broadcasting, not a matrix; the experts'
+    biases [experts, out] are added, named as biases are)."""
+    return [(name, p) for name, p in module.named_parameters(recurse=False)
+            if p.dim() in (2, 3) and p.shape[0] > 1 and "bias" not in name]  # fmt: skip
 
 
 def select_matrix_modules(
@@ -117,6 +126,13 @@ class _LinearsOf(TorchFunctionMode):
             if linear is not None:
                 self.seen.add(linear.parameter)
                 return linear(x, weight, bias)
+        elif func in MATMULS and len(args) == 2 and not kwargs:
+            # x @ W with W [in, out] one of the module's matrices or a slice p[e] of one (GPT-OSS's
+            # eager experts): the Linear of weight Wᵀ, a view the gradient reaches W through
+            linear = _linear_for(self.module, args[1])
+            if linear is not None and args[0].dim() >= 1:
+                self.seen.add(linear.parameter)
+                return linear(args[0], args[1].t(), None)
         elif _is_grouped_mm(func) and len(args) >= 2:
             out = self._grouped(args[0], args[1], kwargs)
             if out is not None:
@@ -138,15 +154,20 @@ class _LinearsOf(TorchFunctionMode):
             # which the hot path does not take. Named once (the forward below).
             self.on_device.add(pname)
             return None
-        param = self.module._parameters[pname]
-        outs, start = [], 0
+        param, linears = self.module._parameters[pname], self.module.aegis_matrix.linears
+        compiling = torch.compiler.is_compiling()
+        pieces, start = [], 0  # (expert's Linear, its rows, its W [out, in], its plans) of experts with rows
         for expert, end in enumerate(offs.tolist()):
-            w = param[expert].t() if stored_in_out else param[expert]  # [out, in]
-            rows = x[start:end]
-            linear = self.module.aegis_matrix.linears[(pname, expert)]
-            outs.append(linear(rows, w, None) if end > start else rows @ w.t())
+            if end > start:
+                linear, rows = linears[(pname, expert)], x[start:end]
+                w = param[expert].t() if stored_in_out else param[expert]
+                pieces.append((linear, rows, w, None if compiling else linear.hooks.plans_for_call(rows, w)))
             start = end
-        outs.append(x.new_zeros(x.shape[0] - start, weight.shape[-1]))
+        if not compiling and all(plans is None for *_, plans in pieces):
+            return None  # no expert sampled in this call: the grouped GEMM itself, one launch
+        outs = [linear(rows, w, None) if compiling else linear.run(rows, w, None, plans)
+                for linear, rows, w, plans in pieces]  # fmt: skip
+        outs.append(x.new_zeros(x.shape[0] - start, weight.shape[-1]))  # rows past the last end: zero
         out = torch.cat(outs)
         return out if kwargs.get("out_dtype") is None else out.to(kwargs["out_dtype"])
 
@@ -179,9 +200,13 @@ def _grouped_target(module: nn.Module, weight: torch.Tensor) -> tuple[str, bool]
     return None
 
 
+MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)  # `x @ w` arrives as Tensor.matmul
+
+
 def _linear_for(module: nn.Module, weight: torch.Tensor) -> MatrixLinear | None:
-    """The matrix `weight` is: one of the module's parameters, or a whole slice p[e] of a 3-D one."""
-    if not isinstance(weight, torch.Tensor):
+    """The matrix `weight` is: one of the module's 2-D parameters, or a whole slice p[e] of a 3-D one
+    (as F.linear's weight [out, in] or a matmul's right operand [in, out] alike)."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return None
     base = weight if weight._base is None else weight._base
     state = module.aegis_matrix

@@ -5,8 +5,9 @@ Two parts. At `protect()` the model's modules are read: the protected ones count
 other module that does matmul work named with the reason (`unprotected_modules`) — a subclass of
 `nn.Linear` (quantized, LoRA: other semantics), `nn.MultiheadAttention` (its projections run inside
 `F.multi_head_attention_forward`), `nn.Bilinear`, convolutions, a Linear left out by
-`include`/`exclude`/`filter`, and any other module holding matrix parameters of its own (MoE experts
-run by grouped matmuls, routers, custom layers). After a step has run, the FLOPs are known from the
+`include`/`exclude`/`filter`, and a module holding matrix parameters of its own that `include`/
+`exclude` left out (the others are protected, integrations/matrices.py, which names a matrix no
+checked op multiplied by after the module's first call). After a step has run, the FLOPs are known from the
 calls themselves: per step, each GEMM site's 2·M·N·K times its calls and each attention module's
 FLOPs (forward and backward); the checked share is what the step's sampling actually checked, of
 the protected modules' FLOPs (the unprotected modules' are not known: the report says how many
@@ -74,9 +75,8 @@ def unprotected_modules(model: nn.Module, protected: set[int]) -> dict[str, str]
         elif isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
             continue  # a lookup, not a matmul (a tied output head is an nn.Linear of its own)
         elif matrices := _matrix_parameters(module):
-            # MoE experts ([experts, out, in] run by grouped matmuls), routers (F.linear on a weight
-            # of their own), custom layers: matrices this module multiplies by are no Linear the
-            # guard can swap
+            # a module with matrices of its own (MoE experts and routers) that GuardConfig.include/
+            # exclude left out, or the root model's own (integrations/matrices.py protects the others)
             reason = f"{kind} holds matrix parameters ({matrices}) that no checked op multiplies by"
         else:
             continue
