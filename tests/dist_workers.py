@@ -422,3 +422,50 @@ def mismatched_protect(rank: int, world: int, rendezvous: str, out: str, options
         Path(out, f"result{rank}.json").write_text(json.dumps(result))
     del model
     leave_group()
+
+
+def moe_training(rank: int, world: int, rendezvous: str, out: str, options: dict) -> None:
+    """A Hugging Face Mixtral (experts as 3-D parameters, grouped GEMMs) under DDP or FSDP2, protected,
+    a fault at one expert's GEMM on one rank: `result{rank}.json` holds its incidents."""
+    device = init(rank, world, rendezvous)
+    _moe_train_and_report(rank, device, out, options)
+    leave_group()
+
+
+def _moe_train_and_report(rank: int, device: torch.device, out: str, options: dict) -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2)  # fmt: skip
+    model = transformers.MixtralForCausalLM(config).to(device)
+    spec = aegis.FaultSpec(**options["fault"])
+    guard = aegis.protect(model, config=aegis.GuardConfig(run_dir=os.path.join(out, "run"), faults=(spec,),
+                                                          response=aegis.ResponseConfig(quarantine=False)))  # fmt: skip
+    if options["parallel"] == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard.attach_optimizer(optimizer)
+    if options["parallel"] == "ddp":
+        guard.attach_ddp(model)
+    else:
+        guard.attach_fsdp(model)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(options.get("steps", 8)):
+        ids = torch.randint(0, 128, (4, 32), generator=g).to(device)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    summary = guard.close()
+    result = {"rank": rank, "incidents": [[i.step, i.site.name, i.identity.rank] for i in guard.incidents],
+              "false_alarms": summary.false_alarms, "unattributed": summary.unattributed}  # fmt: skip
+    Path(out, f"result{rank}.json").write_text(json.dumps(result))

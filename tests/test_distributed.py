@@ -230,6 +230,19 @@ def test_protected_and_unprotected_training_give_the_same_losses(parallel, tmp_p
         assert checked[0]["fsdp_hooked"] >= 2 and checked[0]["comm_sites"]
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_a_fault_in_one_expert_of_a_moe_model_is_confirmed_on_its_rank_under_ddp_and_fsdp2(parallel, tmp_path):
+    pytest.importorskip("transformers")
+    # Mixtral's experts are 3-D parameters run by a grouped GEMM (integrations/matrices.py): FSDP2
+    # gathers them per layer, DDP all-reduces their gradients; the faulty expert is found on its rank
+    site = "model.layers.1.mlp.experts.2.down_proj:wgrad"
+    fault = {"site": site, "model": "bitflip", "bit": 30, "steps": (5,), "ranks": (1,)}
+    options = {"parallel": parallel, "fault": fault}
+    results = run_workers(dist_workers.moe_training, 2, tmp_path, options)
+    assert [r["incidents"] for r in results] == [[], [[5, site, 1]]]
+    assert all(r["false_alarms"] == 0 and r["unattributed"] == 0 for r in results)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_corrupted_fsdp2_reduce_scatter_is_detected(world, tmp_path):
