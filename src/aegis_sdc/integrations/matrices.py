@@ -323,8 +323,8 @@ def _unseen_reason(kind: str, pname: str, grouped_on_device: bool) -> str:
             f"{kind}.{pname}: its experts run as one grouped GEMM on the GPU, which is not checked (checking "
             "them expert by expert needs the routing on the host; experts_implementation='eager' is checked)"
         )
-    return (f"{kind}.{pname}: neither F.linear nor a grouped GEMM multiplied by it in the module's first call "
-            "(another kernel, or a matmul on its own layout): not checked")  # fmt: skip
+    return (f"{kind}.{pname}: no F.linear, matmul or grouped GEMM multiplied by it in the module's first call "
+            "(another kernel: an einsum, a bmm; or it is no weight): not checked")  # fmt: skip
 
 
 def is_in_place(swap: MatrixSwap) -> bool:
