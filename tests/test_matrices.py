@@ -219,3 +219,18 @@ def test_on_cuda_grouped_experts_are_named_and_handed_back_and_eager_experts_are
             assert not any("experts" in key for key in not_covered)
             assert [(i.step, i.site.name) for i in guard.incidents] == [(5, spec.site)]
         assert summary.false_alarms == 0
+
+
+def test_under_a_budget_experts_token_counts_share_one_timing_per_power_of_two(tmp_path):
+    # An expert sees another token count every step: its checks are timed per power-of-two bucket of
+    # tokens and scaled (runtime/planner.py), not once per exact shape at every replan.
+    model = moe_model("mixtral")
+    sampling = aegis.SamplingConfig(budget=0.5, rotation_steps=10, replan_steps=3)
+    config = guard_config(tmp_path, sampling=sampling, thresholds=aegis.ThresholdConfig(calibration_checks=2))
+    guard, summary = train(model, config, steps=14)
+    assert guard.budget_plan is not None and summary.confirmed == 0
+    table = guard.planner.cost_table()
+    gemms = [row for row in table if row["kind"] != "attention"]
+    tokens = [row["shape"][1 if row["kind"] == "wgrad" else 0] for row in gemms]  # (M, K, N, dtype, ...)
+    assert all(t >= 256 and t & (t - 1) == 0 for t in tokens), tokens
+    assert sum(row["sites"] for row in table) == len(guard.sensors) + len(guard.attention_sensors)

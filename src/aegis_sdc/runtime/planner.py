@@ -141,7 +141,7 @@ class StepPlanner:
         for key, probability in self._planned:
             planned.setdefault(key, []).append(probability)
         return [
-            {"kind": key[0], "shape": [str(v) for v in key[1:]], "ms": ms, "sites": len(planned.get(key, ())),
+            {"kind": key[0], "shape": _plain(key[1:]), "ms": ms, "sites": len(planned.get(key, ())),
              "mean_probability": float(np.mean(planned[key])) if key in planned else None}
             for key, ms in self._check_costs.items()
         ]  # fmt: skip
@@ -152,7 +152,8 @@ class StepPlanner:
 
     @staticmethod
     def _gemm_key(sensor: GemmSensor) -> tuple:
-        return (sensor.site.kind.value, sensor.shape, sensor.dtype, sensor.col_check, sensor.triton)
+        shape = None if sensor.shape is None else _token_bucket(sensor.site.kind.value, sensor.shape)[0]
+        return (sensor.site.kind.value, shape, sensor.dtype, sensor.col_check, sensor.triton)
 
     def _attention_cost(self, sensor: AttentionSensor) -> float:
         if sensor.shape is None:
@@ -169,7 +170,26 @@ class StepPlanner:
         cost = self._check_costs.get(key)
         if cost is None:
             cost = self._check_costs[key] = check_cost_ms(
-                sensor.site.kind.value, sensor.shape, sensor.dtype, self.device, col_check=sensor.col_check,
+                sensor.site.kind.value, key[1], sensor.dtype, self.device, col_check=sensor.col_check,
                 triton=sensor.triton, tiling=self.tiling,
             )  # fmt: skip
-        return cost
+        return cost * _token_bucket(sensor.site.kind.value, sensor.shape)[1]
+
+
+def _plain(values: tuple) -> list:
+    """A cost key's fields as JSON takes them: (M, K, N) or an attention call's shape flattened,
+    numbers kept, the rest (dtypes) as text."""
+    flat = [v for value in values for v in (value if isinstance(value, tuple) else (value,))]
+    return [v if isinstance(v, (bool, int, float)) else str(v) for v in flat]
+
+
+def _token_bucket(kind: str, shape: tuple[int, int, int]) -> tuple[tuple[int, int, int], float]:
+    """(M, K, N) with its token count — M, or K of a wgrad — rounded up to a power of two (at least
+    256), and tokens / bucket: what a check costs grows linearly with the tokens (ops/cost.py scales
+    the same way), and a mixture of experts' expert sees another token count at every step — timed
+    per exact shape, every replan would time hundreds of new shapes and the cache would grow without
+    end."""
+    m, k, n = shape
+    tokens = k if kind == "wgrad" else m
+    bucket = max(256, 1 << max(tokens - 1, 0).bit_length())
+    return ((m, bucket, n) if kind == "wgrad" else (bucket, k, n)), tokens / bucket
