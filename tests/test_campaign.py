@@ -101,12 +101,27 @@ def test_a_gemm_fault_is_claimed_above_twice_its_threshold_only_when_it_changed_
     assert not inside(trial, unchecked, [_injection(100.0)], affected=True, recompute_sites=())
 
 
-def test_aegis_campaign_writes_its_record_and_exits_0(tmp_path):
+def test_aegis_campaign_writes_its_record_as_it_goes_and_exits_0(tmp_path, monkeypatch):
+    from aegis_sdc.campaign import report, runner
     from aegis_sdc.cli import app
 
+    monkeypatch.setattr(runner, "PARTIAL_EVERY_S", 0.0)  # a partial record after every trial
+    written = []  # (complete, trials) of each record as it landed in the file
+    write = report.write
+
+    def recording(result, out, env):
+        doc = write(result, out, env)
+        on_disk = json.loads(out.read_text())["summary"]
+        written.append((on_disk["complete"], on_disk["trials"]))
+        return doc
+
+    monkeypatch.setattr(report, "write", recording)
     out = tmp_path / "campaign.json"
     result = CliRunner().invoke(app, ["campaign", "--trials", "11", "--out", str(out), "--plots", str(tmp_path)])
     assert result.exit_code == 0, result.output
+    # killed after any trial, the file would hold the record up to it; the last write is the whole one
+    assert written == [(False, n) for n in range(1, 11)] + [(True, 11)]
+    assert "campaign: 10/11 trials" in result.stderr  # not a terminal: a line per partial record
     doc = json.loads(out.read_text())
     assert set(doc) == {"env", "rows", "summary", "claims", "cells"} and len(doc["rows"]) == 11
     for key in ("trials", "confirmed_inside_coverage", "missed_inside_coverage", "localized", "false_confirmed"):

@@ -174,11 +174,19 @@ def campaign(
     resolved = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     dtype = "bfloat16" if resolved == "cuda" else "float32"  # on a GPU: the Triton kernels, as training runs them
     cfg = CampaignConfig(trials=trials, seed=seed, device=resolved, dtype=dtype)
-    with Progress(console=Console(stderr=True)) as bar:
-        task = bar.add_task("trials", total=trials)
-        result = run_campaign(cfg, progress=lambda done, total: bar.update(task, completed=done))
     env = {"device": torch.cuda.get_device_name() if resolved == "cuda" else "cpu", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    errors = Console(stderr=True)
+
+    def partial(result: Any) -> None:  # the record so far, so that a kill loses at most half a minute
+        campaign_report.write(result, out, env)
+        if not errors.is_terminal:  # a batch job's log: a line per partial record, not a live bar
+            errors.print(f"campaign: {len(result.trials)}/{trials} trials, {result.seconds / 60:.1f} min; "
+                         f"record so far in {escape(str(out))}")  # fmt: skip
+
+    with Progress(console=errors) as bar:
+        task = bar.add_task("trials", total=trials)
+        result = run_campaign(cfg, progress=lambda done, total: bar.update(task, completed=done), partial=partial)
     doc = campaign_report.write(result, out, env)
     if plots is not None:
         campaign_report.plot(doc, plots)

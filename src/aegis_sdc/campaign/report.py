@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt
 from aegis_sdc.campaign.ranks import RankCampaignResult
 from aegis_sdc.campaign.runner import CampaignResult
 from aegis_sdc.campaign.trials import GEMM_LOCATIONS, LOCATIONS
+from aegis_sdc.response.files import write_atomically
 
 
 def record(result: CampaignResult, env: dict[str, Any]) -> dict[str, Any]:
@@ -36,9 +37,12 @@ def record_ranks(result: RankCampaignResult, env: dict[str, Any]) -> dict[str, A
 
 
 def write(result: CampaignResult | RankCampaignResult, out: Path, env: dict[str, Any]) -> dict[str, Any]:
+    """The record to `out`, atomically: a campaign killed while writing leaves the previous record
+    (a partial one, or none), never a torn file."""
     doc = record_ranks(result, env) if isinstance(result, RankCampaignResult) else record(result, env)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    text = (json.dumps(doc, indent=1) + "\n").encode()
+    write_atomically(out, lambda f: f.write(text))
     return doc
 
 

@@ -106,6 +106,7 @@ class CampaignResult:
     twin_false_alarms: int = 0
     twin_deterministic: bool = True
     seconds: float = 0.0
+    complete: bool = False  # every trial ran (a partial record says how far it got)
 
     def misses_inside(self) -> list[TrialResult]:
         """Faults inside the claimed coverage that changed training and were not confirmed: each one
@@ -117,6 +118,7 @@ class CampaignResult:
         confirmed = [t for t in claimed if t.confirmed]
         return {
             "trials": len(self.trials),
+            "complete": self.complete,  # False: a partial record, `trials` of `config.trials` done
             "confirmed_inside_coverage": len(confirmed),
             "missed_inside_coverage": len(self.misses_inside()),
             "localized": sum(t.localized for t in confirmed) / len(confirmed) if confirmed else None,
@@ -186,10 +188,19 @@ def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(bitwise_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def run_campaign(cfg: CampaignConfig, progress: Callable[[int, int], None] | None = None) -> CampaignResult:
-    """The campaign (see the module docstring); `progress(done, total)` after each trial. The guard's
-    console lines and warnings — one per confirmed fault, thousands here, all expected — are held
-    back while it runs; the store in `run_dir` keeps every incident."""
+PARTIAL_EVERY_S = 30.0  # seconds between the partial records `run_campaign` hands its `partial` callback
+
+
+def run_campaign(
+    cfg: CampaignConfig,
+    progress: Callable[[int, int], None] | None = None,
+    partial: Callable[[CampaignResult], None] | None = None,
+) -> CampaignResult:
+    """The campaign (see the module docstring); `progress(done, total)` after each trial, and
+    `partial(result)` every PARTIAL_EVERY_S seconds with the trials done so far (`result.complete` is
+    False), so that a campaign killed hours in leaves its record up to its last half minute. The
+    guard's console lines and warnings — one per confirmed fault, thousands here, all expected — are
+    held back while it runs; the store in `run_dir` keeps every incident."""
     from aegis_sdc.response.policies import SilentDataCorruptionWarning
 
     logger = logging.getLogger("aegis_sdc")
@@ -198,23 +209,27 @@ def run_campaign(cfg: CampaignConfig, progress: Callable[[int, int], None] | Non
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SilentDataCorruptionWarning)
-            return _run(cfg, progress)
+            return _run(cfg, progress, partial)
     finally:
         logger.setLevel(level)
 
 
-def _run(cfg: CampaignConfig, progress: Callable[[int, int], None] | None) -> CampaignResult:
+Partial = Callable[[CampaignResult], None] | None
+
+
+def _run(cfg: CampaignConfig, progress: Callable[[int, int], None] | None, partial: Partial) -> CampaignResult:
     from aegis_sdc.ops import checked_attention
 
     routed = checked_attention.TRITON_ON_CUDA
     checked_attention.TRITON_ON_CUDA = cfg.triton_attention
     try:
-        return _run_routed(cfg, progress)
+        return _run_routed(cfg, progress, partial)
     finally:
         checked_attention.TRITON_ON_CUDA = routed
 
 
-def _run_routed(cfg: CampaignConfig, progress: Callable[[int, int], None] | None) -> CampaignResult:
+def _run_routed(cfg: CampaignConfig, progress: Callable[[int, int], None] | None, partial: Partial
+                ) -> CampaignResult:  # fmt: skip
     import aegis_sdc as aegis
 
     started = time.perf_counter()
@@ -258,16 +273,22 @@ def _run_routed(cfg: CampaignConfig, progress: Callable[[int, int], None] | None
 
         reference = twin()
         trials = draw_trials(targets, cfg.trials, cfg.seed, cfg.bits, cfg.rs, cfg.locations)
+        saved = time.perf_counter()
         for n, trial in enumerate(trials):
             if n and n % cfg.twin_every == 0:
                 result.twin_deterministic &= _bits_equal(twin(), reference)
             result.trials.append(_run_trial(trial, work, guard, targets, claims, batches, restore, reference))
             if progress is not None:
                 progress(n + 1, len(trials))
+            if partial is not None and time.perf_counter() - saved >= PARTIAL_EVERY_S and n + 1 < len(trials):
+                result.seconds = time.perf_counter() - started
+                partial(result)
+                saved = time.perf_counter()
         result.twin_deterministic &= _bits_equal(twin(), reference)
     finally:
         guard.close()
     result.seconds = time.perf_counter() - started
+    result.complete = True
     return result
 
 
