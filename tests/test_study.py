@@ -230,6 +230,7 @@ def test_cli_study_writes_the_run_and_prints_the_summary(tmp_path):
     assert run.exit_code == 0, run.output
     summary = json.loads(run.stdout)
     assert summary["steps_with_grad_deviation"] == [1] and summary["faults_fired"] == 1
+    assert "param-sync: 1/3" in run.stderr and "param-sync: 3/3" in run.stderr  # a log's progress lines
     assert (tmp_path / "r" / "study-grad-deviation.png").exists()
     bad = CliRunner().invoke(app, [*args, "--fault", "layers.1.mlp.up_proj:fwd@bit=x"])
     assert bad.exit_code == 2 and "bad value for bit" in bad.output

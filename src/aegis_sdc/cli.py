@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -158,7 +159,6 @@ def campaign(
     protected training, and check every miss against the coverage the configuration claims. Exit 0:
     no miss inside the claims and nothing confirmed in the clean twins; 1 otherwise. With `--ranks`,
     the gradient buckets of the all-reduce on that many gloo processes (CPU)."""
-    import time
 
     import torch
     from rich.progress import Progress
@@ -198,9 +198,27 @@ def campaign(
     raise typer.Exit(0 if summary["missed_inside_coverage"] == 0 and summary["false_confirmed"] == 0 else 1)
 
 
+class _LogLines:
+    """Progress where the console is no terminal (a batch job's log, where a live bar prints nothing
+    until it ends): a line per phase when it starts, every EVERY_S seconds, and when it completes."""
+
+    EVERY_S = 30.0
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self._last: dict[str, float] = {}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if self.console.is_terminal:
+            return
+        now = time.monotonic()
+        if phase not in self._last or done >= total or now - self._last[phase] >= self.EVERY_S:
+            self._last[phase] = now
+            self.console.print(f"{escape(phase)}: {done}/{total}")
+
+
 def _rank_campaign(trials: int, out: Path, seed: int, world: int) -> None:
     """`aegis campaign --ranks N`: the all-reduce's gradient buckets over N gloo processes."""
-    import time
 
     import torch
 
@@ -290,10 +308,13 @@ def study(
     with Progress(*columns, console=console, transient=as_json) as bar:
         tasks: dict[str, int] = {}
 
+        log_lines = _LogLines(console)
+
         def progress(phase: str, completed: int, total: int) -> None:
             if phase not in tasks:
                 tasks[phase] = bar.add_task(phase, total=total)
             bar.update(tasks[phase], completed=completed)
+            log_lines(phase, completed, total)
 
         try:
             result = run_study(cfg, progress=progress)
