@@ -150,6 +150,36 @@ def test_a_checks_cost_scales_its_gemm_to_the_calls_tokens_but_not_the_weights_p
                               triton=True, tiling=Tiling()) == pytest.approx(7.0)  # fmt: skip
 
 
+def test_the_planner_times_a_check_once_per_token_bucket_and_scales_all_but_the_weight_pass(monkeypatch):
+    # An expert's token count changes every step: 300 and 400 tokens share the 512-token timing; the
+    # part that grows with tokens (8 ms at 512) is scaled, the weight's pass (2 ms) is not.
+    from types import SimpleNamespace
+
+    from aegis_sdc.kernels.reference import Tiling
+    from aegis_sdc.runtime import planner as planner_module
+
+    timed = []
+
+    def parts(kind, shape, *args, **kwargs):
+        timed.append((kind, shape))
+        return 8.0, 2.0
+
+    monkeypatch.setattr(planner_module, "check_cost_parts", parts)
+    planner = planner_module.StepPlanner(
+        sensors=[], attention_sensors={}, plan=None, budget=None, sampler=None, injector=None,
+        device=torch.device("cpu"), tiling=Tiling(), events=[],
+    )  # fmt: skip
+
+    def sensor(kind, shape):
+        return SimpleNamespace(site=SimpleNamespace(kind=SimpleNamespace(value=kind)), shape=shape,
+                               dtype=torch.bfloat16, col_check=False, triton=True)  # fmt: skip
+
+    assert planner._check_cost(sensor("fwd", (300, 64, 64))) == pytest.approx(8.0 * 300 / 512 + 2.0)
+    assert planner._check_cost(sensor("fwd", (400, 64, 64))) == pytest.approx(8.0 * 400 / 512 + 2.0)
+    assert planner._check_cost(sensor("wgrad", (64, 3000, 64))) == pytest.approx(8.0 * 3000 / 4096 + 2.0)
+    assert timed == [("fwd", (512, 64, 64)), ("wgrad", (64, 4096, 64))]
+
+
 def test_a_budget_guard_plans_after_calibration_and_keeps_checking_every_site(tmp_path):
     model, data, optimizer = small_workload()
     # the CPU reference path costs several times the plain matmul: half the step buys the floors

@@ -133,17 +133,19 @@ class _LinearsOf(TorchFunctionMode):
             if linear is not None and args[0].dim() >= 1:
                 self.seen.add(linear.parameter)
                 return linear(args[0], args[1].t(), None)
-        elif _is_grouped_mm(func) and len(args) >= 2:
-            out = self._grouped(args[0], args[1], kwargs)
+        elif _is_grouped_mm(func) and 2 <= len(args) <= 3:
+            offs = args[2] if len(args) == 3 else kwargs.get("offs")
+            out = self._grouped(args[0], args[1], offs, kwargs)
             if out is not None:
                 return out
         return func(*args, **kwargs)
 
-    def _grouped(self, x: torch.Tensor, weight: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+    def _grouped(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor | None, kwargs: dict
+                 ) -> torch.Tensor | None:  # fmt: skip
         """`grouped_mm(x [S, in], W [experts, in, out], offs)` over one of the module's expert
         parameters as each expert's checked Linear on its rows (offs: the cumulative row ends; rows
         past the last are zero), or None to run it as it is."""
-        offs, extra = kwargs.get("offs"), {k: v for k, v in kwargs.items() if k not in ("offs", "out_dtype")}
+        extra = {k: v for k, v in kwargs.items() if k not in ("offs", "out_dtype")}  # a bias: not taken
         target = _grouped_target(self.module, weight)
         if target is None or offs is None or any(v is not None for v in extra.values()) or x.dim() != 2:
             return None
@@ -260,7 +262,8 @@ def checked_matrix_class(base: type) -> type:
             with mode:
                 out = base.forward(self, *args, **kwargs)
             state = self.aegis_matrix
-            if not state.first_call_done and any(isinstance(a, torch.Tensor) and a.numel() for a in args):
+            inputs = (*args, *kwargs.values())
+            if not state.first_call_done and any(isinstance(a, torch.Tensor) and a.numel() for a in inputs):
                 state.after_first_call(mode)
             return out
 

@@ -60,6 +60,15 @@ def check_cost_ms(
     tiling: Tiling,
 ) -> float:  # fmt: skip
     """Milliseconds a checked call of this site adds over an unchecked one (see the module docstring)."""
+    return sum(check_cost_parts(kind, shape, dtype, device, col_check=col_check, triton=triton, tiling=tiling))
+
+
+def check_cost_parts(
+    kind: str, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, *, col_check: bool, triton: bool,
+    tiling: Tiling,
+) -> tuple[float, float]:  # fmt: skip
+    """`check_cost_ms` in its two parts: (what grows with the call's tokens — the checked GEMM over the
+    plain one, the passes over an activation —, the pass over the weight, which does not)."""
     m, k, n = shape
     # Time at most TIMED_ELEMENTS per token-sized operand (a 128K-vocabulary lm_head at 16K tokens
     # would need gigabytes at the user's peak memory) and scale: GEMM time is linear in the tokens.
@@ -110,7 +119,7 @@ def check_cost_ms(
     # Timed at `timed` of the call's `tokens` (a wide lm_head's operands are capped): the GEMM and
     # the activation passes scale to the whole call, the weight's pass does not (scaled too, a 32K
     # vocabulary head at 8K tokens was charged its weight pass ×3.9).
-    return max(0.0, (_median_ms(checked, device) + extra - plain) * tokens / timed + weight_ms)
+    return max(0.0, (_median_ms(checked, device) + extra - plain) * tokens / timed), weight_ms
 
 
 ATTENTION_TIMED_FLOPS = 1 << 36  # per timed call: a few milliseconds on a GPU; larger calls scale by heads

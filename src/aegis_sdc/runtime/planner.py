@@ -18,7 +18,7 @@ import torch
 
 from aegis_sdc.faults.injector import FaultInjector
 from aegis_sdc.kernels.reference import Tiling
-from aegis_sdc.ops.cost import attention_check_cost_ms, check_cost_ms
+from aegis_sdc.ops.cost import attention_check_cost_ms, check_cost_parts
 from aegis_sdc.runtime.budget import BudgetController
 from aegis_sdc.runtime.plan import GEMMS_PER_LINEAR, StepPlan
 from aegis_sdc.sensors.attention import AttentionSensor
@@ -55,7 +55,8 @@ class StepPlanner:
         self._events = events
         self.saved_checker: Any = None  # the saved-tensor fingerprints: a budget probe step forces one
         self.last_calls: list[int] = []  # the calls of each Linear in the last step that made any
-        self._check_costs: dict[tuple, float] = {}  # measured ms per check, by kind and shape
+        self._check_costs: dict[tuple, float] = {}  # measured ms per check, by kind and shape (bucket)
+        self._weight_costs: dict[tuple, float] = {}  # of which the pass over the weight (not scaled)
         self._planned: list[tuple[tuple, float]] = []  # the last plan: each site's cost key and probability
         # the state sensors under the budget: their ms per step at the configured periods, and how
         # to adopt the factor the budget puts on those periods (None: the step's exchange agrees it)
@@ -167,13 +168,14 @@ class StepPlanner:
         if sensor.shape is None or sensor.dtype is None:
             return 0.0  # never called: nothing to time, and nothing its checks would cost
         key = self._gemm_key(sensor)
-        cost = self._check_costs.get(key)
-        if cost is None:
-            cost = self._check_costs[key] = check_cost_ms(
+        if key not in self._check_costs:
+            scaled, weight = check_cost_parts(
                 sensor.site.kind.value, key[1], sensor.dtype, self.device, col_check=sensor.col_check,
                 triton=sensor.triton, tiling=self.tiling,
             )  # fmt: skip
-        return cost * _token_bucket(sensor.site.kind.value, sensor.shape)[1]
+            self._check_costs[key], self._weight_costs[key] = scaled + weight, weight
+        weight = self._weight_costs[key]
+        return (self._check_costs[key] - weight) * _token_bucket(sensor.site.kind.value, sensor.shape)[1] + weight
 
 
 def _plain(values: tuple) -> list:
@@ -185,10 +187,10 @@ def _plain(values: tuple) -> list:
 
 def _token_bucket(kind: str, shape: tuple[int, int, int]) -> tuple[tuple[int, int, int], float]:
     """(M, K, N) with its token count — M, or K of a wgrad — rounded up to a power of two (at least
-    256), and tokens / bucket: what a check costs grows linearly with the tokens (ops/cost.py scales
-    the same way), and a mixture of experts' expert sees another token count at every step — timed
-    per exact shape, every replan would time hundreds of new shapes and the cache would grow without
-    end."""
+    256), and tokens / bucket: what a check costs beyond the pass over its weight grows linearly with
+    the tokens (ops/cost.py scales the same way), and a mixture of experts' expert sees another token
+    count at every step — timed per exact shape, every replan would time hundreds of new shapes and
+    the cache would grow without end."""
     m, k, n = shape
     tokens = k if kind == "wgrad" else m
     bucket = max(256, 1 << max(tokens - 1, 0).bit_length())
