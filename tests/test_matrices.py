@@ -234,3 +234,47 @@ def test_under_a_budget_experts_token_counts_share_one_timing_per_power_of_two(t
     tokens = [row["shape"][1 if row["kind"] == "wgrad" else 0] for row in gemms]  # (M, K, N, dtype, ...)
     assert all(t >= 256 and t & (t - 1) == 0 for t in tokens), tokens
     assert sum(row["sites"] for row in table) == len(guard.sensors) + len(guard.attention_sensors)
+
+
+def test_experts_whose_token_counts_vary_keep_their_thresholds_clean(tmp_path):
+    # An expert's GEMMs change shape every step (the tokens the router sends it): its wgrad sums a
+    # varying number of products, its forward takes its maximum over a varying number of rows. Clean
+    # values grow with both; thresholds calibrated at the median shape grow with them
+    # (GemmSensor.thresholds). Without that, this run had 13 false alarms in 30 steps; with it, 1.
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=128, num_experts_per_tok=8,
+                                         moe_intermediate_size=32)  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        ids = torch.randint(0, 128, (4, 64), generator=g)  # 2 048 expert slots over 128 experts a layer
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    summary = guard.close()
+    assert summary.confirmed == 0 and summary.false_alarms <= 3, summary.false_alarms
+    grown = [s for s in guard.sensors if s.reference_shape is not None and ".experts." in s.site.name]
+    assert grown and all(s.reference_shape[1 if s.site.kind.value == "wgrad" else 0] >= 1 for s in grown)
+
+
+def test_a_call_larger_than_the_calibration_median_gets_proportionally_larger_thresholds():
+    from aegis_sdc.config import ThresholdConfig
+    from aegis_sdc.events import GemmKind, Site
+    from aegis_sdc.sensors.gemm import GemmSensor, StepClock
+    from aegis_sdc.sensors.sampling import Sampler
+
+    sensor = GemmSensor(Site(0, "x", GemmKind.WGRAD), col_check=True, thresholds=ThresholdConfig(),
+                        sampler=Sampler(1.0, (), 0), injector=None, clock=StepClock(), recorder=[])  # fmt: skip
+    sensor.thresholds(64, 16, 32)
+    sensor.row.base = sensor.row.current = 10.0
+    sensor.col.base = sensor.col.current = 12.0
+    sensor.reference_shape = (64.0, 16.0, 32.0)
+    assert sensor.thresholds(64, 16, 32) == (10.0, 12.0)  # the calibration's shape: as calibrated
+    assert sensor.thresholds(8, 4, 8) == (10.0, 12.0)  # smaller: never tighter than calibrated
+    row, col = sensor.thresholds(64, 64, 32)  # 4× the terms per element: √4
+    assert (row, col) == pytest.approx((20.0, 24.0))
+    row, col = sensor.thresholds(4096, 16, 1024)  # more rows and columns to take the maximum over
+    assert row == pytest.approx(10.0 * (torch.tensor(4096.0).log() / torch.tensor(64.0).log()).sqrt().item())
+    assert col == pytest.approx(12.0 * (torch.tensor(1024.0).log() / torch.tensor(32.0).log()).sqrt().item())
