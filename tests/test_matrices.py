@@ -278,3 +278,27 @@ def test_a_call_larger_than_the_calibration_median_gets_proportionally_larger_th
     row, col = sensor.thresholds(4096, 16, 1024)  # more rows and columns to take the maximum over
     assert row == pytest.approx(10.0 * (torch.tensor(4096.0).log() / torch.tensor(64.0).log()).sqrt().item())
     assert col == pytest.approx(12.0 * (torch.tensor(1024.0).log() / torch.tensor(32.0).log()).sqrt().item())
+
+
+def test_a_parameter_list_of_matrices_is_named_at_protect_not_swapped(tmp_path):
+    # A ParameterList has no forward of its own: its matrices are multiplied by whatever module reads
+    # them, which the mode of its own forward would never see — named at protect(), as before.
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8, 8)) for _ in range(2)])
+            self.head = torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for w in self.ws:
+                x = torch.nn.functional.linear(x, w)
+            return self.head(x)
+
+    model = Holder()
+    with pytest.warns(UserWarning, match="1 matmul modules not protected, e.g. ws"):
+        guard = aegis.protect(model, optimizer=None, config=guard_config(tmp_path))
+    assert type(model.ws).__name__ == "ParameterList"
+    model(torch.randn(4, 8)).sum().backward()
+    report = guard.coverage_report()
+    guard.close()
+    assert "matrix parameters" in report.not_covered["ws"] and report.protected == {"Linear": 1}
