@@ -230,7 +230,8 @@ class StepRecorder:
                 rows.append((
                     report.step, sensor.site.id, st.calls, st.checks, st.alarms, st.faults, st.nonfinite,
                     st.max_row if st.checks else None, st.max_col if st.checks and sensor.col_check else None,
-                    _finite(sensor.row.current), _finite(sensor.col.current) if sensor.col_check else None,
+                    _finite(sensor.row.current if st.row_limit is None else st.row_limit),
+                    _finite(sensor.col.current if st.col_limit is None else st.col_limit) if sensor.col_check else None,
                     int(sensor.row.calibrating),
                 ))  # fmt: skip
         step_row = dict(checks=report.checks, alarms=len(report.alarms), verified=len(report.verdicts),

@@ -204,6 +204,10 @@ class SiteStepStats:
     nonfinite: int = 0
     max_row: float = 0.0
     max_col: float = 0.0
+    # the thresholds those maxima were checked against (a call larger than the calibration's shape
+    # has larger ones: GemmSensor.thresholds); None: the site's current thresholds
+    row_limit: float | None = None
+    col_limit: float | None = None
 
 
 class GemmSensor:
@@ -379,8 +383,10 @@ class GemmSensor:
         row_value, col_value = stats[ROW_VALUE], stats[COL_VALUE]
         st = self.step_stats
         if not record.alarm:
-            st.max_row = max(st.max_row, row_value)
-            st.max_col = max(st.max_col, col_value)
+            if row_value >= st.max_row:
+                st.max_row, st.row_limit = row_value, stats[ROW_THRESHOLD]
+            if col_value >= st.max_col:
+                st.max_col, st.col_limit = col_value, stats[COL_THRESHOLD]
             if self.row.calibrating and record.shape is not None:
                 self._calibration_shapes.append(record.shape)
             self.row.observe_clean(row_value)
