@@ -302,3 +302,49 @@ def test_a_parameter_list_of_matrices_is_named_at_protect_not_swapped(tmp_path):
     report = guard.coverage_report()
     guard.close()
     assert "matrix parameters" in report.not_covered["ws"] and report.protected == {"Linear": 1}
+
+
+class Late(torch.nn.Module):
+    """A matrix of its own, multiplied in its forward — which runs from step 1 on only (`on`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16) / 4)
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.w)
+
+
+class Reaching(torch.nn.Module):
+    """`bypassed`'s matrix is multiplied here, past its forward (which never runs); `late` joins later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bypassed, self.late, self.head = Late(), Late(), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.linear(x, self.bypassed.w)
+        return self.head(self.late(x) if self.late.on else x)
+
+
+def test_a_matrix_whose_module_never_ran_in_the_first_step_is_named_until_it_is_checked(tmp_path):
+    model = Reaching()
+    spec = aegis.FaultSpec(site="late.w:fwd", model="bitflip", bit=30, steps=(3,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(spec,)))
+    with pytest.warns(UserWarning, match="forward did not run in the first step"):
+        model(torch.randn(8, 16)).sum().backward()
+        optimizer.step()  # the end of step 0: both named
+    named = guard.coverage_report().not_covered
+    assert {"bypassed.w", "late.w"} <= set(named) and "did not run" in named["bypassed.w"]
+    model.late.on = True
+    for _ in range(4):
+        optimizer.zero_grad()
+        model(torch.randn(8, 16)).sum().backward()
+        optimizer.step()
+    report = guard.coverage_report()
+    summary = guard.close()
+    assert "bypassed.w" in report.not_covered and "late.w" not in report.not_covered  # checked from step 1
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(3, "late.w:fwd")]
+    assert summary.false_alarms == 0

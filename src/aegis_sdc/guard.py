@@ -70,6 +70,7 @@ from aegis_sdc.integrations.matrices import (
     restore_matrix_modules,
     select_matrix_modules,
     swap_matrix_modules,
+    uncalled,
 )
 from aegis_sdc.integrations.modules import (
     GuardHook,
@@ -236,7 +237,8 @@ class Guard:
         self._swaps = swap_linears(model, chosen, self._make_hooks)
         # MoE experts and routers: matrix parameters multiplied by F.linear (integrations/matrices.py)
         matrices = select_matrix_modules(model, config.include, config.exclude)
-        self._matrix_swaps = swap_matrix_modules(model, matrices, self._make_hooks, self._unseen_matrix)
+        self._matrix_swaps = swap_matrix_modules(model, matrices, self._make_hooks, self._unseen_matrix,
+                                                 self._seen_matrix)  # fmt: skip
         protected = {id(swap.checked) for swap in [*self._swaps, *self._matrix_swaps]}
         self.unprotected_modules = unprotected_modules(model, protected)
         if self.unprotected_modules:  # named at once: nothing matmul-bearing is left out silently
@@ -358,6 +360,14 @@ class Guard:
             self.unprotected_modules[name] = reason
             self._pending_events.append(("not_covered", f"{name}: {reason}", None))
             warnings.warn(f"aegis-sdc: {name}: {reason}", stacklevel=4)
+
+    def name_uncalled_matrices(self) -> None:
+        """After the first step (runtime/step.py): matrices whose module's forward never ran are named."""
+        uncalled(self._matrix_swaps)
+
+    def _seen_matrix(self, name: str) -> None:
+        """A matrix named as not checked was checked at a later first call of its module."""
+        self.unprotected_modules.pop(name, None)
 
     def _uncovered_attention(self, module: str, reason: str, warn: bool = True) -> None:
         """An attention module of the model whose calls stay unchecked: named once, in a warning and

@@ -236,6 +236,7 @@ class MatrixState:
     matrices: list[tuple[str, int | None]]  # (parameter, experts of a 3-D one, None for 2-D)
     linears: dict[tuple[str, int | None], MatrixLinear]
     unseen: Callable[[str, str], None]  # names a matrix no checked op multiplied by
+    seen: Callable[[str], None]  # takes back a name `unseen` gave (checked at last: see `uncalled`)
     release: Callable[[], None]  # puts the user's module back in the model
     first_call_done: bool = False
 
@@ -245,7 +246,9 @@ class MatrixState:
         self.first_call_done = True
         checked = mode.seen - mode.on_device
         for pname, _ in self.matrices:
-            if pname not in checked:
+            if pname in checked:
+                self.seen(f"{self.name}.{pname}")
+            else:
                 self.unseen(f"{self.name}.{pname}", _unseen_reason(self.kind, pname, pname in mode.on_device))
         if not checked:
             self.release()
@@ -293,9 +296,11 @@ def swap_matrix_modules(
     chosen: list[tuple[str, nn.Module]],
     make_hooks: Callable[[str, nn.Module], LinearHooks],
     unseen: Callable[[str, str], None],
+    seen: Callable[[str], None],
 ) -> list[MatrixSwap]:
     """Replace each chosen module by its checked class; `make_hooks(name, module)` builds the sensors of
-    each of its matrices, `unseen(name, reason)` names a matrix its first call did not check."""
+    each of its matrices, `unseen(name, reason)` names a matrix its first call did not check (or
+    that no call reached in the first step: `uncalled`), `seen(name)` takes such a name back."""
     places: dict[int, list[tuple[nn.Module, str]]] = {}
     for parent in model.modules():
         for attr, child in parent.named_children():
@@ -313,7 +318,7 @@ def swap_matrix_modules(
         mine = [MatrixSwap(parent, attr, module, checked) for parent, attr in places.get(id(module), ())]
         state = MatrixState(name, type(module).__name__,
                             [(pname, None if p.dim() == 2 else p.shape[0]) for pname, p in parameters], linears,
-                            unseen, lambda mine=mine: restore_matrix_modules(mine))  # fmt: skip
+                            unseen, seen, lambda mine=mine: restore_matrix_modules(mine))  # fmt: skip
         object.__setattr__(checked, "aegis_matrix", state)
         object.__setattr__(checked, "aegis_hooks", None)  # marks it protected (integrations/modules.is_protected)
         for swap in mine:
@@ -330,6 +335,19 @@ def _unseen_reason(kind: str, pname: str, grouped_on_device: bool) -> str:
         )
     return (f"{kind}.{pname}: no F.linear, matmul or grouped GEMM multiplied by it in the module's first call "
             "(another kernel: an einsum, a bmm; or it is no weight): not checked")  # fmt: skip
+
+
+def uncalled(swaps: list[MatrixSwap]) -> None:
+    """After the first step: name the matrices of every checked module whose forward has not run — a
+    parent that multiplies by a child's parameter itself (`F.linear(x, self.child.w)`) goes past the
+    child's forward, and so past the mode. Named, not handed back: a first call later still checks
+    and takes the names back."""
+    for swap in swaps:
+        state = swap.checked.aegis_matrix
+        if is_in_place(swap) and not state.first_call_done:
+            for pname, _ in state.matrices:
+                state.unseen(f"{state.name}.{pname}", f"{state.kind}.{pname}: its module's forward did not run in "
+                             "the first step (a matrix another module multiplies by is not checked)")  # fmt: skip
 
 
 def is_in_place(swap: MatrixSwap) -> bool:

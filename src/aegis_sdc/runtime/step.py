@@ -440,6 +440,7 @@ class StepRuntime:
             self.last_checked_gemm_flops, self.last_recorded_step = flops.checked, report.step
             if not self.coverage_logged:  # once, after the first step that ran: the report with its FLOPs
                 self.coverage_logged = True
+                g.name_uncalled_matrices()
                 log.info("aegis-sdc coverage:\n%s", g.coverage_report().describe())
 
     def respond(self, report: StepReport) -> None:
