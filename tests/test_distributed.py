@@ -232,7 +232,12 @@ def test_protected_and_unprotected_training_give_the_same_losses(parallel, tmp_p
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_a_fault_in_one_expert_of_a_moe_model_is_confirmed_on_its_rank_under_ddp_and_fsdp2(parallel, tmp_path):
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
+    from tests.helpers import skip_unless_fused_experts
+
+    config = transformers.MixtralConfig(hidden_size=16, intermediate_size=16, num_hidden_layers=1, vocab_size=8,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)  # fmt: skip
+    skip_unless_fused_experts(transformers.MixtralForCausalLM(config))
     # Mixtral's experts are 3-D parameters run by a grouped GEMM (integrations/matrices.py): FSDP2
     # gathers them per layer, DDP all-reduces their gradients; the faulty expert is found on its rank
     site = "model.layers.1.mlp.experts.2.down_proj:wgrad"

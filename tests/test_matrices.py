@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from tests.helpers import guard_config
+from tests.helpers import guard_config, skip_unless_fused_experts
 
 import aegis_sdc as aegis
 
@@ -30,6 +30,7 @@ def moe_model(family: str, implementation: str = "grouped_mm"):
                                              moe_intermediate_size=32, shared_expert_intermediate_size=64)  # fmt: skip
         model = transformers.Qwen2MoeForCausalLM(config)
     model.config._experts_implementation = implementation  # what experts_implementation= sets at loading
+    skip_unless_fused_experts(model)
     return model
 
 
@@ -245,6 +246,7 @@ def test_experts_whose_token_counts_vary_keep_their_thresholds_clean(tmp_path):
     config = transformers.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=128, num_experts_per_tok=8,
                                          moe_intermediate_size=32)  # fmt: skip
     model = transformers.Qwen3MoeForCausalLM(config)
+    skip_unless_fused_experts(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
     g = torch.Generator().manual_seed(1)
