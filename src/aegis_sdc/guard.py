@@ -66,7 +66,6 @@ from aegis_sdc.faults.injector import FaultInjector
 from aegis_sdc.integrations.attention import AttentionRouter, attention_outside_sdpa
 from aegis_sdc.integrations.checkpointing import RecomputeChecker, SavedTensorChecker
 from aegis_sdc.integrations.matrices import (
-    is_in_place,
     restore_matrix_modules,
     select_matrix_modules,
     swap_matrix_modules,
@@ -642,7 +641,7 @@ class Guard:
         """What is protected, the matmul FLOPs of the last recorded step and their checked share, and
         what is not covered and why (runtime/coverage.py)."""
         protected: Counter[str] = Counter()
-        standing = [*self._swaps, *filter(is_in_place, self._matrix_swaps)]  # (a matrix module released)
+        standing = [*self._swaps, *(s for s in self._matrix_swaps if s.in_place)]  # (a matrix module released)
         for checked in {id(swap.checked): swap.original for swap in standing}.values():
             protected[type(checked).__name__] += 1
         calls = self.planner.last_calls or [0] * self.plan.linears

@@ -28,7 +28,6 @@ matrices was checked is handed back to the model.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,7 +36,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from aegis_sdc.integrations.modules import _plain_reduce, checked_call, checked_class, compiled_call, is_protected
+from aegis_sdc.integrations.modules import (
+    Swap,
+    _plain_reduce,
+    checked_call,
+    checked_class,
+    compiled_call,
+    is_protected,
+    places_in,
+    put_back,
+    put_in_place,
+    selected,
+)
 from aegis_sdc.ops import linear_op
 from aegis_sdc.ops.checked_linear import LinearHooks
 
@@ -90,8 +100,7 @@ def select_matrix_modules(
             continue  # (a Conv1D left out by include/exclude is named as such: runtime/coverage.py)
         if type(module).forward is nn.Module.forward:
             continue  # never called (nn.ParameterList / ParameterDict): its matrices are named as unprotected
-        included = any(fnmatch.fnmatchcase(name, p) for p in include)
-        if included and not any(fnmatch.fnmatchcase(name, p) for p in exclude):
+        if selected(name, include, exclude):
             chosen.append((name, module))
     return chosen
 
@@ -283,29 +292,18 @@ def checked_matrix_class(base: type) -> type:
     return cls
 
 
-@dataclass(frozen=True)
-class MatrixSwap:
-    parent: nn.Module
-    attr: str
-    original: nn.Module
-    checked: nn.Module
-
-
 def swap_matrix_modules(
     model: nn.Module,
     chosen: list[tuple[str, nn.Module]],
     make_hooks: Callable[[str, nn.Module], LinearHooks],
     unseen: Callable[[str, str], None],
     seen: Callable[[str], None],
-) -> list[MatrixSwap]:
+) -> list[Swap]:
     """Replace each chosen module by its checked class; `make_hooks(name, module)` builds the sensors of
     each of its matrices, `unseen(name, reason)` names a matrix its first call did not check (or
     that no call reached in the first step: `uncalled`), `seen(name)` takes such a name back."""
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    for parent in model.modules():
-        for attr, child in parent.named_children():
-            places.setdefault(id(child), []).append((parent, attr))
-    swaps: list[MatrixSwap] = []
+    places = places_in(model)
+    swaps: list[Swap] = []
     for name, module in chosen:
         parameters = matrix_parameters(module)
         linears = {}
@@ -315,14 +313,12 @@ def swap_matrix_modules(
         cls = checked_matrix_class(type(module))
         checked = cls.__new__(cls)
         checked.__dict__.update(module.__dict__)  # shares _parameters, _buffers, _modules, hook dicts
-        mine = [MatrixSwap(parent, attr, module, checked) for parent, attr in places.get(id(module), ())]
+        mine: list[Swap] = []  # filled below: the release undoes exactly these
         state = MatrixState(name, type(module).__name__,
                             [(pname, None if p.dim() == 2 else p.shape[0]) for pname, p in parameters], linears,
                             unseen, seen, lambda mine=mine: restore_matrix_modules(mine))  # fmt: skip
-        object.__setattr__(checked, "aegis_matrix", state)
-        object.__setattr__(checked, "aegis_hooks", None)  # marks it protected (integrations/modules.is_protected)
-        for swap in mine:
-            setattr(swap.parent, swap.attr, checked)
+        object.__setattr__(checked, "aegis_matrix", state)  # (also what marks it protected: is_protected)
+        mine.extend(put_in_place(places.get(id(module), []), module, checked))
         swaps.extend(mine)
     return swaps
 
@@ -337,29 +333,22 @@ def _unseen_reason(kind: str, pname: str, grouped_on_device: bool) -> str:
             "(another kernel: an einsum, a bmm; or it is no weight): not checked")  # fmt: skip
 
 
-def uncalled(swaps: list[MatrixSwap]) -> None:
+def uncalled(swaps: list[Swap]) -> None:
     """After the first step: name the matrices of every checked module whose forward has not run — a
     parent that multiplies by a child's parameter itself (`F.linear(x, self.child.w)`) goes past the
     child's forward, and so past the mode. Named, not handed back: a first call later still checks
     and takes the names back."""
     for swap in swaps:
         state = swap.checked.aegis_matrix
-        if is_in_place(swap) and not state.first_call_done:
+        if swap.in_place and not state.first_call_done:
             for pname, _ in state.matrices:
                 state.unseen(f"{state.name}.{pname}", f"{state.kind}.{pname}: its module's forward did not run in "
                              "the first step (a matrix another module multiplies by is not checked)")  # fmt: skip
 
 
-def is_in_place(swap: MatrixSwap) -> bool:
-    """Whether the checked module still stands in the model where the swap put it."""
-    return getattr(swap.parent, swap.attr, None) is swap.checked
-
-
-def restore_matrix_modules(swaps: list[MatrixSwap]) -> None:
+def restore_matrix_modules(swaps: list[Swap]) -> None:
     """Put the user's modules back (those still in place; their Linears' handles unregistered)."""
-    standing = [swap for swap in swaps if is_in_place(swap)]
-    for checked in {id(s.checked): s.checked for s in standing}.values():
+    for checked in {id(s.checked): s.checked for s in swaps if s.in_place}.values():
         for linear in checked.aegis_matrix.linears.values():
             linear_op.unregister(linear.handle)
-    for swap in reversed(standing):
-        setattr(swap.parent, swap.attr, swap.original)
+    put_back(swaps)

@@ -184,8 +184,9 @@ def checked_conv1d_class(base: type) -> type:
 
 
 def is_protected(module: nn.Module) -> bool:
-    """Whether `module` is a checked module an open guard swapped in (copies of it are plain)."""
-    return "aegis_hooks" in vars(module)
+    """Whether `module` is a checked module an open guard swapped in (copies of it are plain): a
+    Linear's (`aegis_hooks`) or a matrix module's (`aegis_matrix`, integrations/matrices.py)."""
+    return "aegis_hooks" in vars(module) or "aegis_matrix" in vars(module)
 
 
 def checked_class(module: nn.Module) -> type | None:
@@ -220,10 +221,22 @@ def _validate(name: str, x: torch.Tensor, weight: torch.Tensor, in_features: int
 
 @dataclass(frozen=True)
 class Swap:
+    """A checked module standing where the user's stood (a Linear, or a matrix module)."""
+
     parent: nn.Module
     attr: str
-    original: nn.Linear
-    checked: CheckedLinear
+    original: nn.Module
+    checked: nn.Module
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the checked module still stands where the swap put it."""
+        return getattr(self.parent, self.attr, None) is self.checked
+
+
+def selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    """Whether GuardConfig.include/exclude keep the module of this name."""
+    return any(fnmatch.fnmatchcase(name, p) for p in include) and not any(fnmatch.fnmatchcase(name, p) for p in exclude)
 
 
 def select_linears(
@@ -235,36 +248,48 @@ def select_linears(
         if checked_class(module) is None:
             continue
         label = name or "<root>"
-        if not any(fnmatch.fnmatchcase(label, p) for p in include):
-            continue
-        if any(fnmatch.fnmatchcase(label, p) for p in exclude):
-            continue
-        if keep is not None and not keep(label, module):
-            continue
-        chosen.append((label, module))
+        if selected(label, include, exclude) and (keep is None or keep(label, module)):
+            chosen.append((label, module))
     return chosen
+
+
+def places_in(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (parent, attribute) holding each module of `model`, by the module's id."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in model.modules():
+        for attr, child in parent.named_children():
+            places.setdefault(id(child), []).append((parent, attr))
+    return places
+
+
+def put_in_place(places: list[tuple[nn.Module, str]], original: nn.Module, checked: nn.Module) -> list[Swap]:
+    """Stand `checked` wherever `original` stood; the swaps that undo it."""
+    swaps = [Swap(parent, attr, original, checked) for parent, attr in places]
+    for swap in swaps:
+        setattr(swap.parent, swap.attr, checked)
+    return swaps
 
 
 def swap_linears(model: nn.Module, chosen: list[tuple[str, nn.Linear]], make_hooks) -> list[Swap]:
     """Replace each chosen Linear by a CheckedLinear; `make_hooks(name, linear)` builds its sensors."""
     if any(name == "<root>" for name, _ in chosen):
         raise ValueError("protect() needs a model that contains Linear layers, not a bare nn.Linear; wrap it")
-    places: dict[int, list[tuple[nn.Module, str]]] = {}  # every (parent, attribute) holding each Linear
-    for parent in model.modules():
-        for attr, child in parent.named_children():
-            places.setdefault(id(child), []).append((parent, attr))
+    places = places_in(model)
     swaps = []
     for name, linear in chosen:
         checked = checked_class(linear).wrap(linear, name, make_hooks(name, linear))
-        for parent, attr in places[id(linear)]:
-            setattr(parent, attr, checked)
-            swaps.append(Swap(parent, attr, linear, checked))
+        swaps.extend(put_in_place(places[id(linear)], linear, checked))
     return swaps
+
+
+def put_back(swaps: list[Swap]) -> None:
+    """Stand the user's modules again wherever their checked ones still stand."""
+    for swap in reversed(swaps):
+        if swap.in_place:
+            setattr(swap.parent, swap.attr, swap.original)
 
 
 def restore_linears(swaps: list[Swap]) -> None:
     for handle in {swap.checked.aegis_handle for swap in swaps}:
         linear_op.unregister(handle)
-    for swap in reversed(swaps):
-        if getattr(swap.parent, swap.attr, None) is swap.checked:
-            setattr(swap.parent, swap.attr, swap.original)
+    put_back(swaps)
