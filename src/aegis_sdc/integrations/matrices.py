@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from aegis_sdc.integrations.modules import (
@@ -51,9 +52,11 @@ from aegis_sdc.integrations.modules import (
 from aegis_sdc.ops import linear_op
 from aegis_sdc.ops.checked_linear import LinearHooks
 
-# Modules whose matrices other code handles or names: the Linear swap, attention routing, lookups.
+# Modules whose matrices other code handles or names: the Linear swap, attention routing, lookups;
+# and a parametrization's list, whose tensors are the inputs of a computed weight (weight_norm's
+# direction, a spectral norm's original), multiplied by its owner (a parametrized Linear is protected).
 OWN_HANDLING = (nn.Linear, nn.MultiheadAttention, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding,
-                nn.EmbeddingBag)  # fmt: skip
+                nn.EmbeddingBag, parametrize.ParametrizationList)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ no-op (`GuardHook`), a checkpoint function it rebound becomes the original again
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from aegis_sdc.ops import linear_op
 from aegis_sdc.ops.checked_linear import CheckedLinearFunction, LinearHooks
@@ -147,6 +149,38 @@ def is_linear_equivalent(module: nn.Module) -> bool:
     return (cls.__module__, cls.__name__) in LINEAR_EQUIVALENT
 
 
+def is_parametrized_linear(module: nn.Module) -> bool:
+    """An nn.Linear with a parametrization (`weight_norm`, `spectral_norm`, torch.ao pruning's masks,
+    `register_parametrization`): its class is torch's `ParametrizedLinear`, whose forward is
+    nn.Linear's on the weight the parametrization computes — a Linear, with a weight that is a
+    function of parameters."""
+    cls = type(module)
+    return parametrize.is_parametrized(module) and cls.__bases__ == (nn.Linear,) and "forward" not in vars(cls)
+
+
+def _parametrized_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's forward on a parametrized weight, checked. The weight is computed once per call, as
+    nn.Linear's forward computes it (a spectral norm's power iteration runs once per access); the
+    computed tensor keys its own weight statistics (a new value per call, ops/triton_linear.py)."""
+    weight = self.weight  # [out, in], the parametrization's value
+    if torch.compiler.is_compiling():
+        return compiled_call(self.aegis_handle, x, weight, self.bias)
+    plans = self.aegis_hooks.plans_for_call(x, weight)
+    if plans is None:
+        return F.linear(x, weight, self.bias)
+    return checked_call(self.aegis_name, self.aegis_hooks, x, weight, self.bias, weight, plans)
+
+
+def _plain_deepcopy(self, memo: dict) -> nn.Module:
+    """A deep copy of the plain module (a parametrized class deep-copies through its own
+    `__deepcopy__`, which would copy the guard's state along)."""
+    plain = object.__new__(type(self).__mro__[1])
+    plain.__dict__.update({key: value for key, value in self.__dict__.items() if not key.startswith("aegis_")})
+    copied = copy.deepcopy(plain, memo)
+    memo[id(self)] = copied
+    return copied
+
+
 _CHECKED_SUBCLASSES: dict[type, type] = {}
 
 
@@ -162,6 +196,8 @@ def _checked_subclass(base: type, forward: Callable[..., torch.Tensor]) -> type:
 
         members = {"forward": forward, "wrap": classmethod(CheckedLinear.wrap.__func__), "extra_repr": extra_repr,
                    "__reduce_ex__": CheckedLinear.__reduce_ex__, "__module__": __name__}  # fmt: skip
+        if "__deepcopy__" in vars(base):  # a parametrized class's own deep copy: of the plain module
+            members["__deepcopy__"] = _plain_deepcopy
         cls = _CHECKED_SUBCLASSES[base] = type(f"Checked{base.__name__}", (base,), members)
     return cls
 
@@ -192,14 +228,16 @@ def is_protected(module: nn.Module) -> bool:
 def checked_class(module: nn.Module) -> type | None:
     """The checked class that replaces `module`, or None for a module the guard does not protect:
     nn.Linear itself, a Linear by another name (`LINEAR_EQUIVALENT`: CheckedLinear's forward on a
-    subclass of its own class) and HF's Conv1D; other subclasses of nn.Linear (quantized, LoRA) have
-    other semantics."""
+    subclass of its own class), a parametrized Linear and HF's Conv1D; other subclasses of nn.Linear
+    (quantized, LoRA) have other semantics."""
     if type(module) is nn.Linear:
         return CheckedLinear
     if is_linear_equivalent(module):
         return _checked_subclass(type(module), CheckedLinear.forward)
     if is_hf_conv1d(module):
         return checked_conv1d_class(type(module))
+    if is_parametrized_linear(module):
+        return _checked_subclass(type(module), _parametrized_forward)
     return None
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ def unprotected_modules(model: nn.Module, protected: set[int]) -> dict[str, str]
             reason = "Hugging Face Conv1D left out by GuardConfig.include/exclude or the filter"
         elif isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
             continue  # a lookup, not a matmul (a tied output head is an nn.Linear of its own)
+        elif isinstance(module, parametrize.ParametrizationList):
+            continue  # the inputs of a parametrized weight: its owner module is what multiplies
         elif matrices := _matrix_parameters(module):
             # a module with matrices of its own (MoE experts and routers) that GuardConfig.include/
             # exclude left out, or the root model's own (integrations/matrices.py protects the others)
