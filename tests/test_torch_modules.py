@@ -98,3 +98,159 @@ def test_copies_of_a_protected_parametrized_linear_are_the_plain_parametrized_mo
     assert not any(key.startswith("aegis_") for m in copied.modules() for key in vars(m))
     model.eval(), copied.eval()  # (a spectral norm's power iteration runs in training mode only)
     torch.testing.assert_close(copied[2].weight, model[2].weight)  # the same computed weight
+
+
+# nn.MultiheadAttention (integrations/multihead.py)
+
+
+class Seq2Seq(nn.Module):
+    """torch's own Transformer pieces: encoder self-attention (q is k is v: one packed projection),
+    decoder self- and cross-attention (k is v: split [E | 2E]), and an attention whose key and value
+    widths are not E (separate q/k/v weights) called with `need_weights` at its default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 1,
+                                             enable_nested_tensor=False)  # fmt: skip
+        self.decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2)
+        self.pool = nn.MultiheadAttention(32, 4, kdim=16, vdim=24, batch_first=True)
+        self.keys = nn.Linear(32, 16)
+        self.values = nn.Linear(32, 24)
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        memory = self.encoder(source)
+        out = self.decoder(target, memory)
+        pooled, _ = self.pool(out, self.keys(memory), self.values(memory))
+        return pooled
+
+
+def _seq2seq_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, run=None) -> list[float]:
+    gen = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(steps):
+        source, target = torch.randn(4, 12, 32, generator=gen), torch.randn(4, 10, 32, generator=gen)
+        loss = (run or model)(source, target).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _multihead_sites(name: str) -> set[str]:
+    return {f"{name}.{p}:{kind}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for kind in ("fwd", "wgrad")}
+
+
+def test_multihead_attentions_projections_are_checked_and_train_as_the_unprotected_ones(tmp_path):
+    torch.manual_seed(0)
+    model = Seq2Seq()
+    reference = copy.deepcopy(model)
+    # SGD: Adam would turn the rounding noise of gradients that are zero in exact arithmetic (a key
+    # projection's bias: softmax ignores a shift shared by all keys) into steps of ±lr
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    with pytest.warns(UserWarning, match="pool: attention not checked — need_weights=True"):
+        losses = _seq2seq_steps(model, optimizer, 4)
+    report = guard.coverage_report()
+    checked = {s.site.name for s in guard.sensors if s.shape is not None}  # a sensor with a checked call
+    summary = guard.close()
+    assert report.protected == {"Linear": 8, "MultiheadAttention": 6}
+    # every projection of every attention is checked, forward and wgrad (out_proj through its module)
+    for name in ("encoder.layers.0.self_attn", "decoder.layers.0.self_attn", "decoder.layers.0.multihead_attn",
+                 "decoder.layers.1.multihead_attn", "pool"):  # fmt: skip
+        assert _multihead_sites(name) <= checked, name
+    assert "decoder.layers.1.multihead_attn.q_proj:dgrad" in checked
+    # the attention between them: through scaled_dot_product_attention, checked; the bmm path named
+    assert summary.attention_checks > 0 and summary.confirmed == 0
+    assert set(report.not_covered) == {"pool:attn_fwd", "pool:attn_bwd"}
+    # The checked GEMMs sum in another order than torch's (fp32, K ≤ 64): a few ulps per step.
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    assert losses == pytest.approx(_seq2seq_steps(reference, reference_optimizer, 4), rel=1e-5)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize(
+    "site",
+    ["encoder.layers.0.self_attn.q_proj:fwd", "decoder.layers.1.self_attn.v_proj:dgrad",
+     "decoder.layers.0.multihead_attn.k_proj:wgrad", "decoder.layers.1.multihead_attn.out_proj:fwd",
+     "pool.v_proj:wgrad"],
+)  # fmt: skip
+def test_a_fault_in_a_multihead_attentions_projection_is_confirmed_at_its_site_and_step(tmp_path, site):
+    torch.manual_seed(0)
+    model = Seq2Seq()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fault = aegis.FaultSpec(site=site, model="bitflip", bit=27, steps=(3,))
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(fault,)))
+    with pytest.warns(UserWarning, match="confirmed SDC"):
+        _seq2seq_steps(model, optimizer, 4)
+    guard.close()
+    assert [(i.step, i.site.name, i.verdict.kind.value) for i in guard.incidents] == [(3, site, "confirmed_sdc")]
+
+
+def test_a_compiled_multihead_attention_has_no_graph_break_and_a_fault_in_it_is_confirmed(tmp_path):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    site = "layers.1.self_attn.k_proj:fwd"
+    fault = aegis.FaultSpec(site=site, model="bitflip", bit=27, steps=(3,))
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(fault,)))
+    source = torch.randn(4, 12, 32)
+    assert torch._dynamo.explain(model)(source).graph_break_count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(UserWarning, match="confirmed SDC"):
+        for _ in range(5):
+            compiled(torch.randn(4, 12, 32)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    guard.close()
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(3, site)]
+
+
+def test_copies_of_a_protected_multihead_attention_are_the_plain_module(tmp_path):
+    torch.manual_seed(0)
+    model = Seq2Seq()
+    guard = aegis.protect(model, config=guard_config(tmp_path))
+    copied = copy.deepcopy(model)
+    guard.close()
+    for name, module in copied.named_modules():
+        assert not any(key.startswith("aegis_") for key in vars(module)), name
+    assert type(copied.pool) is nn.MultiheadAttention
+    assert type(copied.encoder.layers[0].self_attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+
+
+def test_a_multihead_attention_left_out_is_named_once_with_its_out_proj_inside_it(tmp_path):
+    torch.manual_seed(0)
+    model = Seq2Seq()
+    with pytest.warns(UserWarning, match="1 matmul modules not protected, e.g. pool: an nn.MultiheadAttention left"):
+        guard = aegis.protect(model, config=guard_config(tmp_path, exclude=("pool",)))
+    report = guard.coverage_report()
+    guard.close()
+    assert report.protected == {"Linear": 8, "MultiheadAttention": 5}
+    assert report.not_covered == {"pool": "an nn.MultiheadAttention left out by GuardConfig.include/exclude"}
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_transformer_encoders_projections_run_the_triton_kernels_and_a_fault_is_confirmed(tmp_path):
+    # bf16 on the GPU: the thirds of in_proj_weight are row views at an offset of i·E·E elements
+    # (16-byte aligned for E a multiple of 8), taken by the Triton kernels like any weight.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).to("cuda", torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    site = "layers.1.self_attn.v_proj:wgrad"
+    fault = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(6,))
+    config = guard_config(tmp_path, faults=(fault,), sampling=aegis.SamplingConfig.every_call())
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(10):
+        source = torch.randn(4, 512, 256, generator=gen, device="cuda", dtype=torch.bfloat16)
+        model(source).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    summary = guard.close()
+    assert not any(":" in key and "proj" in key for key in summary.coverage["not_covered"])  # no GPU gap named
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(6, site)]
+    assert summary.false_alarms == 0

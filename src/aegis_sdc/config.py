@@ -428,7 +428,8 @@ class GuardConfig:
     """Everything `aegis_sdc.protect()` needs. All fields have defaults; see docs/configuration.md.
 
     - `include` / `exclude`: fnmatch patterns over module names choosing which Linears (and modules
-      whose own matrices are checked: MoE experts and routers, integrations/matrices.py) to protect.
+      whose own matrices are checked: MoE experts and routers, integrations/matrices.py;
+      nn.MultiheadAttention, integrations/multihead.py) to protect.
     - `run_dir`: where the per-rank SQLite store, plots and quarantine list go.
     - `max_pending_calls`: checked calls buffered before an automatic flush when no optimizer step
       comes (inference loops); one host sync per flush.

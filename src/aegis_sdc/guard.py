@@ -79,6 +79,7 @@ from aegis_sdc.integrations.modules import (
     select_linears,
     swap_linears,
 )
+from aegis_sdc.integrations.multihead import select_multihead, swap_multihead
 from aegis_sdc.kernels.reference import Tiling
 from aegis_sdc.ops.checked_linear import LinearHooks, PlanTracer
 from aegis_sdc.ops.fingerprint import FingerprintPool
@@ -202,12 +203,15 @@ class Guard:
         self.gate = OptimizerGate()
 
         chosen = select_linears(model, config.include, config.exclude, filter)
-        if not chosen:
+        others = [*select_matrix_modules(model, config.include, config.exclude),
+                  *select_multihead(model, config.include, config.exclude)]  # fmt: skip
+        if not chosen and not others:
             if any(is_protected(m) for m in model.modules()):
                 raise ValueError("protect(): this model's Linears are protected by a guard already; close that "
                                  "guard (guard.close()) before protecting the model again")  # fmt: skip
             raise ValueError(
-                "protect() found no nn.Linear to protect (check GuardConfig.include/exclude and the filter)"
+                "protect() found no nn.Linear, nn.MultiheadAttention or matrix module to protect (check "
+                "GuardConfig.include/exclude and the filter)"
             )
         # the rank's store, locked for writing: one writer per store (runtime/run_dir.py)
         self.run_dir, self.store = open_run_store(config.run_dir, self.identity.rank)
@@ -238,7 +242,13 @@ class Guard:
         matrices = select_matrix_modules(model, config.include, config.exclude)
         self._matrix_swaps = swap_matrix_modules(model, matrices, self._make_hooks, self._unseen_matrix,
                                                  self._seen_matrix)  # fmt: skip
+        # nn.MultiheadAttention's projections, F.linear calls inside F.multi_head_attention_forward
+        # (integrations/multihead.py); its out_proj child is checked through it
+        multihead = swap_multihead(model, select_multihead(model, config.include, config.exclude), self._make_hooks,
+                                   self._unseen_matrix, self._seen_matrix, self._uncovered_attention)  # fmt: skip
+        self._matrix_swaps += multihead
         protected = {id(swap.checked) for swap in [*self._swaps, *self._matrix_swaps]}
+        protected |= {id(swap.checked.out_proj) for swap in multihead}
         self.unprotected_modules = unprotected_modules(model, protected)
         if self.unprotected_modules:  # named at once: nothing matmul-bearing is left out silently
             first, reason = next(iter(self.unprotected_modules.items()))

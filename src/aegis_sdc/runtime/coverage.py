@@ -3,8 +3,8 @@ what it leaves uncovered and why.
 
 Two parts. At `protect()` the model's modules are read: the protected ones counted by type, and every
 other module that does matmul work named with the reason (`unprotected_modules`) — a subclass of
-`nn.Linear` (quantized, LoRA: other semantics), `nn.MultiheadAttention` (its projections run inside
-`F.multi_head_attention_forward`), `nn.Bilinear`, convolutions, a Linear left out by
+`nn.Linear` (quantized, LoRA: other semantics), a subclass of `nn.MultiheadAttention` with a forward
+of its own, `nn.Bilinear`, convolutions, a Linear or attention module left out by
 `include`/`exclude`/`filter`, and a module holding matrix parameters of its own that `include`/
 `exclude` left out (the others are protected, integrations/matrices.py, which names a matrix no
 checked op multiplied by after the module's first call). After a step has run, the FLOPs are known from the
@@ -54,8 +54,11 @@ class CoverageReport:
 def unprotected_modules(model: nn.Module, protected: set[int]) -> dict[str, str]:
     """Modules of `model` that do matmul work and are not among `protected` (ids), with why."""
     found: dict[str, str] = {}
+    # an attention module's out_proj is multiplied by inside it, its own forward never runs: named
+    # with the attention module, not as a Linear of its own
+    inside = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     for name, module in model.named_modules():
-        if id(module) in protected:
+        if id(module) in protected or id(module) in inside:
             continue
         label = name or "<root>"
         kind = type(module).__name__
@@ -66,7 +69,11 @@ def unprotected_modules(model: nn.Module, protected: set[int]) -> dict[str, str]
                 else f"{kind}, a subclass of nn.Linear (other semantics: not checked)"
             )
         elif isinstance(module, nn.MultiheadAttention):
-            reason = "nn.MultiheadAttention (its projections run inside F.multi_head_attention_forward)"
+            reason = (
+                f"{kind}, a subclass of nn.MultiheadAttention with a forward of its own (not checked)"
+                if type(module).forward is not nn.MultiheadAttention.forward
+                else "an nn.MultiheadAttention left out by GuardConfig.include/exclude"
+            )
         elif isinstance(module, nn.Bilinear):
             reason = "nn.Bilinear (not checked)"
         elif isinstance(module, nn.modules.conv._ConvNd):
