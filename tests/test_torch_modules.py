@@ -254,3 +254,24 @@ def test_on_cuda_a_transformer_encoders_projections_run_the_triton_kernels_and_a
     assert not any(":" in key and "proj" in key for key in summary.coverage["not_covered"])  # no GPU gap named
     assert [(i.step, i.site.name) for i in guard.incidents] == [(6, site)]
     assert summary.false_alarms == 0
+
+
+def test_a_recurrent_layer_is_named_at_protect_with_its_reason(tmp_path):
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.LSTM(16, 32, batch_first=True)
+            self.head = nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(x)[0])
+
+    model = Tagger()
+    with pytest.warns(UserWarning, match="1 matmul modules not protected, e.g. rnn: LSTM, a recurrent layer"):
+        guard = aegis.protect(model, config=guard_config(tmp_path))
+    model(torch.randn(2, 5, 16)).sum().backward()
+    guard.step()
+    report = guard.coverage_report()
+    guard.close()
+    assert report.protected == {"Linear": 1}
+    assert list(report.not_covered) == ["rnn"]  # the module, not each of its matrices

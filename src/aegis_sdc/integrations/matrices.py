@@ -52,11 +52,12 @@ from aegis_sdc.integrations.modules import (
 from aegis_sdc.ops import linear_op
 from aegis_sdc.ops.checked_linear import LinearHooks
 
-# Modules whose matrices other code handles or names: the Linear swap, attention routing, lookups;
-# and a parametrization's list, whose tensors are the inputs of a computed weight (weight_norm's
-# direction, a spectral norm's original), multiplied by its owner (a parametrized Linear is protected).
+# Modules whose matrices other code handles or names: the Linear swap, attention routing, lookups,
+# recurrent layers (torch's fused RNN kernels: named at protect(), runtime/coverage.py); and a
+# parametrization's list, whose tensors are the inputs of a computed weight (weight_norm's direction,
+# a spectral norm's original), multiplied by its owner (a parametrized Linear is protected).
 OWN_HANDLING = (nn.Linear, nn.MultiheadAttention, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding,
-                nn.EmbeddingBag, parametrize.ParametrizationList)  # fmt: skip
+                nn.EmbeddingBag, nn.RNNBase, nn.RNNCellBase, parametrize.ParametrizationList)  # fmt: skip
 
 
 @dataclass(frozen=True)

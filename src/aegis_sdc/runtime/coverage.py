@@ -4,7 +4,7 @@ what it leaves uncovered and why.
 Two parts. At `protect()` the model's modules are read: the protected ones counted by type, and every
 other module that does matmul work named with the reason (`unprotected_modules`) — a subclass of
 `nn.Linear` (quantized, LoRA: other semantics), a subclass of `nn.MultiheadAttention` with a forward
-of its own, `nn.Bilinear`, convolutions, a Linear or attention module left out by
+of its own, `nn.Bilinear`, convolutions, recurrent layers, a Linear or attention module left out by
 `include`/`exclude`/`filter`, and a module holding matrix parameters of its own that `include`/
 `exclude` left out (the others are protected, integrations/matrices.py, which names a matrix no
 checked op multiplied by after the module's first call). After a step has run, the FLOPs are known from the
@@ -78,6 +78,8 @@ def unprotected_modules(model: nn.Module, protected: set[int]) -> dict[str, str]
             reason = "nn.Bilinear (not checked)"
         elif isinstance(module, nn.modules.conv._ConvNd):
             reason = f"{kind}, a convolution (not checked)"
+        elif isinstance(module, (nn.RNNBase, nn.RNNCellBase)):
+            reason = f"{kind}, a recurrent layer (its matrices run inside torch's fused RNN kernels: not checked)"
         elif kind == "Conv1D" and type(module).__module__.startswith("transformers."):
             reason = "Hugging Face Conv1D left out by GuardConfig.include/exclude or the filter"
         elif isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
