@@ -494,14 +494,14 @@ def test_a_linear_the_gpu_cannot_check_runs_unchecked_named_once(tmp_path, monke
     from aegis_sdc.ops.checked_linear import LinearHooks
 
     def gap(self, x2d, weight):
-        return "float32 operands (the GPU kernels take bf16/fp16)" if self.index == 0 else None
+        return "on this GPU: float32 operands (the GPU kernels take bf16/fp16)" if self.index == 0 else None
 
     monkeypatch.setattr(LinearHooks, "gpu_gap", gap)
     model, data, optimizer = small_workload()
     guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
-    with pytest.warns(UserWarning, match="layers.0.attn.wq: not checked on this GPU") as caught:
+    with pytest.warns(UserWarning, match="layers.0.attn.wq: not checked — on this GPU") as caught:
         train(model, data, optimizer, 3)
-    assert sum("not checked on this GPU" in str(w.message) for w in caught) == 1
+    assert sum("not checked — on this GPU" in str(w.message) for w in caught) == 1
     summary = guard.close()
     assert set(summary.coverage["not_covered"]) == {f"layers.0.attn.wq:{k}" for k in ("fwd", "dgrad", "wgrad")}
     assert summary.checks == 3 * 7 * 3  # the 7 other Linears, 3 GEMMs, 3 steps

@@ -275,3 +275,48 @@ def test_a_recurrent_layer_is_named_at_protect_with_its_reason(tmp_path):
     guard.close()
     assert report.protected == {"Linear": 1}
     assert list(report.not_covered) == ["rnn"]  # the module, not each of its matrices
+
+
+# torch.func transforms (integrations/modules.py: TRANSFORMED)
+
+
+def test_torch_func_transforms_over_a_protected_model_run_unchecked_named_with_one_warning(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    ids = torch.randint(1, 128, (2, 16))
+
+    def loss_of(module):
+        return lambda params: functional_call(module, params, (ids,), {"labels": ids}).loss
+
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    with pytest.warns(UserWarning, match="torch.func transform") as caught:
+        grads = grad(loss_of(model))(params)
+    assert sum("aegis-sdc" in str(w.message) for w in caught) == 1  # one warning, not one per module
+    expected = grad(loss_of(reference))({name: p.detach() for name, p in reference.named_parameters()})
+    for name, g in grads.items():
+        assert torch.equal(g, expected[name]), name  # torch's own ops: the same bits
+
+    # per-sample gradients of the head (vmap over grad), then training goes on checked
+    head = {"weight": model.lm_head.weight.detach()}
+    hidden = torch.randn(8, 64)
+    per_sample = vmap(grad(lambda p, h: functional_call(model.lm_head, p, (h,)).square().sum()), in_dims=(None, 0))(
+        head, hidden
+    )
+    assert per_sample["weight"].shape == (8, 128, 64)
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    summary = guard.close()
+    assert summary.checks > 0 and summary.attention_checks > 0 and summary.confirmed == 0
+    reasons = summary.coverage["not_covered"]
+    assert reasons["model.layers.0.mlp.down_proj:fwd"].startswith("its calls under a torch.func transform")
+    assert reasons["model.layers.1.self_attn:attn_fwd"].startswith("its calls under a torch.func transform")

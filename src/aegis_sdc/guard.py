@@ -72,6 +72,7 @@ from aegis_sdc.integrations.matrices import (
     uncalled,
 )
 from aegis_sdc.integrations.modules import (
+    TRANSFORMED,
     GuardHook,
     LinearFilter,
     is_protected,
@@ -196,7 +197,8 @@ class Guard:
         self.sensor_clock = SensorClock(device)  # what the state sensors' firings cost
         self.sensor_stretch = 1  # in force: the state sensors fire at this multiple of their periods
         self._pending_events: list[tuple[str, str, int]] = []  # events for the next record (plans, gaps)
-        self.uncovered_linears: dict[str, str] = {}  # module → why the GPU kernels cannot check it
+        self.uncovered_linears: dict[str, str] = {}  # module → why some of its calls run unchecked
+        self._warned_transformed = False  # calls under a torch.func transform: warned of once
         self._collected: Collected | None = None  # a gated step between optimizer pre- and post-hook
         self._start_step = start_step
         self._warned_no_boundary = False  # checked calls with no step boundary: named once
@@ -355,12 +357,13 @@ class Guard:
         return hooks
 
     def _uncovered(self, module: str, reason: str) -> None:
-        """A protected Linear the GPU kernels cannot take: named once, in a warning and the coverage."""
+        """A protected Linear whose calls run unchecked — the GPU kernels cannot take them, or they run
+        under a torch.func transform: named once, in a warning and the coverage."""
         if module not in self.uncovered_linears:
             self.uncovered_linears[module] = reason
-            message = f"{module}: not checked on this GPU — {reason}"
+            message = f"{module}: not checked — {reason}"
             self._pending_events.append(("not_covered", message, self._site_id(f"{module}:fwd")))
-            warnings.warn(f"aegis-sdc: {message}", stacklevel=4)
+            self._warn_uncovered(message, reason)
 
     def _unseen_matrix(self, name: str, reason: str) -> None:
         """A matrix of a protected matrix module that its first call multiplied by another kernel than
@@ -387,7 +390,16 @@ class Guard:
             message = f"{module}: attention not checked — {reason}"
             self._pending_events.append(("not_covered", message, self._site_id(f"{module}:attn_fwd")))
             if warn:
-                warnings.warn(f"aegis-sdc: {message}", stacklevel=4)
+                self._warn_uncovered(message, reason)
+
+    def _warn_uncovered(self, message: str, reason: str) -> None:
+        """Warn of an unchecked module; a transform's calls reach every module at once: one warning."""
+        if reason == TRANSFORMED:
+            if self._warned_transformed:
+                return
+            self._warned_transformed = True
+            message += " (every module so called is named in guard.coverage_report())"
+        warnings.warn(f"aegis-sdc: {message}", stacklevel=5)
 
     def _attention_sensor(self, module: str) -> AttentionSensor:
         """The sensor of an attention module, made at its first checked call (sites in call order)."""

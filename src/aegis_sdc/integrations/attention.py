@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aegis_sdc.integrations.modules import _transformed
 from aegis_sdc.kernels import triton_attention
 from aegis_sdc.ops import checked_attention as attention_op
 from aegis_sdc.ops.checked_attention import autocast_inputs, checked_attention, mask_problem
@@ -62,6 +63,9 @@ def unchecked_reason(q, k, attn_mask, dropout_p: float, is_causal: bool) -> str 
     reads the device: on CUDA a mask's rows are not inspected (the kernels handle a row with no key)."""
     if not 0.0 <= dropout_p < 1.0:
         return f"dropout_p {dropout_p}"
+    transformed = _transformed(q, k)
+    if transformed is not None:
+        return transformed
     if q.is_cuda:
         if not attention_op.TRITON_ON_CUDA:
             return "attention on CUDA (the Triton attention kernels are not enabled yet)"

@@ -110,7 +110,7 @@ def checked_call(name: str, hooks: LinearHooks, x: torch.Tensor, weight: torch.T
     if x.numel() == 0 or in_features == 0 or out_features == 0:
         return F.linear(x, weight, bias)  # nothing to check: no products are summed
     x2d = x.reshape(-1, in_features)
-    gap = hooks.gpu_gap(x2d, weight)
+    gap = hooks.gpu_gap(x2d, weight) or _transformed(x2d, weight)
     if gap is not None:
         hooks.uncovered(name, gap)
         return F.linear(x, weight, bias)
@@ -118,6 +118,17 @@ def checked_call(name: str, hooks: LinearHooks, x: torch.Tensor, weight: torch.T
     # when `weight` is an autocast copy.
     y = CheckedLinearFunction.apply(x2d, weight, bias, hooks, parameter.detach(), plans)
     return y.reshape(*x.shape[:-1], out_features)
+
+
+# torch.func's transforms (grad, vmap, jacrev, functional_call under them) wrap their tensors; an
+# autograd.Function under them needs a vmap rule and a separate setup_context, which the checked GEMMs'
+# function (its backward checks dgrad and wgrad with state from the forward) does not have.
+TRANSFORMED = "its calls under a torch.func transform (grad, vmap, jacrev, ...) run unchecked"
+
+
+def _transformed(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return TRANSFORMED if wrapped(x) or wrapped(weight) else None
 
 
 def compiled_call(handle: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

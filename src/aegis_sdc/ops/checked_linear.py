@@ -159,7 +159,8 @@ class LinearHooks:
         call — and its site is named in the coverage report."""
         if self.backend != "auto" or x2d.device.type != "cuda":
             return None
-        return triton_linear.unsupported(x2d) or triton_linear.unsupported(weight, is_weight=True)
+        problem = triton_linear.unsupported(x2d) or triton_linear.unsupported(weight, is_weight=True)
+        return None if problem is None else f"on this GPU: {problem}"
 
     def use_triton(self, x2d: torch.Tensor, weight: torch.Tensor) -> bool:
         if self.backend == "reference" or self.state is None:
