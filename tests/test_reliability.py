@@ -328,6 +328,7 @@ def test_a_bounded_log_keeps_the_latest_and_counts_the_rest():
     assert list(log) == [2, 3, 4] and log.total == 5 and log.dropped == 2 and log[-1] == 4
     assert log.since(3) == [3, 4] and log.since(0) == [2, 3, 4] and log.since(5) == []
     assert log == [2, 3, 4] and log != []
+    assert log[-2:] == [3, 4] and log[:1] == [2] and log[::-1] == [4, 3, 2]  # slices, as the list it replaces
 
 
 def test_a_storm_keeps_memory_bounded_the_counts_whole_and_the_console_rate_limited(tmp_path, monkeypatch, caplog):

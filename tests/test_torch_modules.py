@@ -320,3 +320,30 @@ def test_torch_func_transforms_over_a_protected_model_run_unchecked_named_with_o
     reasons = summary.coverage["not_covered"]
     assert reasons["model.layers.0.mlp.down_proj:fwd"].startswith("its calls under a torch.func transform")
     assert reasons["model.layers.1.self_attn:attn_fwd"].startswith("its calls under a torch.func transform")
+
+
+def test_a_bias_table_looked_up_by_index_is_not_named_as_an_unchecked_matrix(tmp_path):
+    class RelativeBias(nn.Module):  # as Swin's: a [positions, heads] table gathered into the scores
+        def __init__(self) -> None:
+            super().__init__()
+            self.relative_position_bias_table = nn.Parameter(torch.zeros(49, 2))
+
+        def forward(self, index: torch.Tensor) -> torch.Tensor:
+            return self.relative_position_bias_table[index]
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = RelativeBias()
+            self.proj = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x) + self.bias(torch.arange(x.shape[0]) % 49)
+
+    model = Block()
+    guard = aegis.protect(model, config=guard_config(tmp_path))
+    model(torch.randn(10, 8)).sum().backward()
+    guard.step()
+    report = guard.coverage_report()
+    guard.close()
+    assert report.protected == {"Linear": 1} and report.not_covered == {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -53,7 +53,14 @@ class BoundedLog(Generic[T]):
     def __len__(self) -> int:
         return len(self._kept)
 
-    def __getitem__(self, index: int) -> T:
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        """A record, or a list of them for a slice (`guard.incidents[-3:]`), as the list it replaces."""
+        if isinstance(index, slice):
+            return list(self._kept)[index]
         return self._kept[index]
 
     def __bool__(self) -> bool:

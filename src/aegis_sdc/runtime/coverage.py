@@ -99,6 +99,9 @@ def unprotected_modules(model: nn.Module, protected: set[int]) -> dict[str, str]
 def _matrix_parameters(module: nn.Module) -> str:
     """The module's own parameters of two or more dimensions, as 'name [shape]' (not its children's);
     a leading dimension of 1 marks a tensor added by broadcasting (a class token, a position table
-    [1, T, D]), not a matrix."""
+    [1, T, D]), not a matrix, and a bias is added (a relative position bias table, an expert's biases),
+    as integrations/matrices.py has it."""
     params = module.named_parameters(recurse=False)
-    return ", ".join(f"{name} {list(p.shape)}" for name, p in params if p.dim() >= 2 and p.shape[0] > 1)
+    return ", ".join(
+        f"{name} {list(p.shape)}" for name, p in params if p.dim() >= 2 and p.shape[0] > 1 and "bias" not in name
+    )
