@@ -39,9 +39,9 @@ from torch.overrides import TorchFunctionMode
 
 from aegis_sdc.integrations.modules import (
     Swap,
-    _plain_reduce,
     checked_call,
     checked_class,
+    checked_subclass,
     compiled_call,
     is_protected,
     places_in,
@@ -270,30 +270,23 @@ class MatrixState:
 _CHECKED_CLASSES: dict[type, type] = {}
 
 
+def _forward_of(base: type) -> Callable[..., object]:
+    def forward(self, *args, **kwargs):
+        mode = _LinearsOf(self)
+        with mode:
+            out = base.forward(self, *args, **kwargs)
+        state = self.aegis_matrix
+        inputs = (*args, *kwargs.values())
+        if not state.first_call_done and any(isinstance(a, torch.Tensor) and a.numel() for a in inputs):
+            state.after_first_call(mode)
+        return out
+
+    return forward
+
+
 def checked_matrix_class(base: type) -> type:
     """`Checked<base>`: the user's class with its forward run under `_LinearsOf` (one per class)."""
-    cls = _CHECKED_CLASSES.get(base)
-    if cls is None:
-
-        def forward(self, *args, **kwargs):
-            mode = _LinearsOf(self)
-            with mode:
-                out = base.forward(self, *args, **kwargs)
-            state = self.aegis_matrix
-            inputs = (*args, *kwargs.values())
-            if not state.first_call_done and any(isinstance(a, torch.Tensor) and a.numel() for a in inputs):
-                state.after_first_call(mode)
-            return out
-
-        def extra_repr(self) -> str:
-            return base.extra_repr(self) + ", checked=True"
-
-        def reduce(self, protocol: object) -> tuple:  # copies and pickles are the user's module
-            return _plain_reduce(self)
-
-        members = {"forward": forward, "extra_repr": extra_repr, "__reduce_ex__": reduce, "__module__": __name__}
-        cls = _CHECKED_CLASSES[base] = type(f"Checked{base.__name__}", (base,), members)
-    return cls
+    return checked_subclass(base, _forward_of, _CHECKED_CLASSES)
 
 
 def swap_matrix_modules(
@@ -314,17 +307,28 @@ def swap_matrix_modules(
         for site_name, pname, expert in _linear_names(name, parameters):
             hooks = make_hooks(site_name, module)
             linears[(pname, expert)] = MatrixLinear(site_name, pname, expert, hooks, linear_op.register(hooks))
-        cls = checked_matrix_class(type(module))
-        checked = cls.__new__(cls)
-        checked.__dict__.update(module.__dict__)  # shares _parameters, _buffers, _modules, hook dicts
-        mine: list[Swap] = []  # filled below: the release undoes exactly these
-        state = MatrixState(name, type(module).__name__,
-                            [(pname, None if p.dim() == 2 else p.shape[0]) for pname, p in parameters], linears,
-                            unseen, seen, lambda mine=mine: restore_matrix_modules(mine))  # fmt: skip
-        object.__setattr__(checked, "aegis_matrix", state)  # (also what marks it protected: is_protected)
-        mine.extend(put_in_place(places.get(id(module), []), module, checked))
+        matrices = [(pname, None if p.dim() == 2 else p.shape[0]) for pname, p in parameters]
+        _, mine = stand_checked(places, name, module, checked_matrix_class(type(module)), matrices, linears, unseen,
+                                seen)  # fmt: skip
         swaps.extend(mine)
     return swaps
+
+
+def stand_checked(
+    places: dict[int, list[tuple[nn.Module, str]]], name: str, module: nn.Module, cls: type,
+    matrices: list[tuple[str, int | None]], linears: dict, unseen: Callable[[str, str], None],
+    seen: Callable[[str], None],
+) -> tuple[nn.Module, list[Swap]]:  # fmt: skip
+    """Stand an instance of the checked class `cls` sharing `module`'s state, with its `MatrixState`,
+    wherever `module` stands: (the checked module, the swaps that undo it)."""
+    checked = cls.__new__(cls)
+    checked.__dict__.update(module.__dict__)  # shares _parameters, _buffers, _modules, hook dicts
+    mine: list[Swap] = []  # filled below: the release undoes exactly these
+    state = MatrixState(name, type(module).__name__, matrices, linears, unseen, seen,
+                        lambda: restore_matrix_modules(mine))  # fmt: skip
+    object.__setattr__(checked, "aegis_matrix", state)  # (also what marks it protected: is_protected)
+    mine.extend(put_in_place(places.get(id(module), []), module, checked))
+    return checked, mine
 
 
 def _unseen_reason(kind: str, pname: str, grouped_on_device: bool) -> str:

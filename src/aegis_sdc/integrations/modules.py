@@ -192,25 +192,35 @@ def _plain_deepcopy(self, memo: dict) -> nn.Module:
     return copied
 
 
-_CHECKED_SUBCLASSES: dict[type, type] = {}
-
-
-def _checked_subclass(base: type, forward: Callable[..., torch.Tensor]) -> type:
-    """`Checked<base>`: a subclass of the user's class with a checked `forward`, CheckedLinear's `wrap`
-    and its copies-as-the-plain-module reduction (copies and pickles keep the user's class); one per
-    class."""
-    cls = _CHECKED_SUBCLASSES.get(base)
+def checked_subclass(base: type, make_forward: Callable[[type], Callable[..., object]], cache: dict[type, type],
+                     **members: object) -> type:  # fmt: skip
+    """`Checked<base>`: a subclass of the user's class with the forward `make_forward(base)` makes (and
+    `members`), a repr that says it is checked, and copies and pickles that are the plain module;
+    one per class, kept in `cache`."""
+    cls = cache.get(base)
     if cls is None:
 
         def extra_repr(self) -> str:
             return base.extra_repr(self) + ", checked=True"
 
-        members = {"forward": forward, "wrap": classmethod(CheckedLinear.wrap.__func__), "extra_repr": extra_repr,
-                   "__reduce_ex__": CheckedLinear.__reduce_ex__, "__module__": __name__}  # fmt: skip
+        def reduce(self, protocol: object) -> tuple:  # copies and pickles are the user's module
+            return _plain_reduce(self)
+
+        members = {"forward": make_forward(base), "extra_repr": extra_repr, "__reduce_ex__": reduce,
+                   "__module__": __name__, **members}  # fmt: skip
         if "__deepcopy__" in vars(base):  # a parametrized class's own deep copy: of the plain module
             members["__deepcopy__"] = _plain_deepcopy
-        cls = _CHECKED_SUBCLASSES[base] = type(f"Checked{base.__name__}", (base,), members)
+        cls = cache[base] = type(f"Checked{base.__name__}", (base,), members)
     return cls
+
+
+_CHECKED_SUBCLASSES: dict[type, type] = {}
+
+
+def _checked_subclass(base: type, forward: Callable[..., torch.Tensor]) -> type:
+    """A checked Linear class: `checked_subclass` with CheckedLinear's `wrap`."""
+    wrap = classmethod(CheckedLinear.wrap.__func__)
+    return checked_subclass(base, lambda base: forward, _CHECKED_SUBCLASSES, wrap=wrap)
 
 
 def checked_conv1d_class(base: type) -> type:

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from aegis_sdc.integrations.matrices import MatrixLinear, MatrixState, restore_matrix_modules
-from aegis_sdc.integrations.modules import Swap, _plain_reduce, is_protected, places_in, put_in_place, selected
+from aegis_sdc.integrations.matrices import MatrixLinear, stand_checked
+from aegis_sdc.integrations.modules import Swap, checked_subclass, is_protected, places_in, selected
 from aegis_sdc.ops import linear_op
 from aegis_sdc.ops.checked_linear import LinearHooks
 
@@ -144,29 +144,22 @@ class _Mode(TorchFunctionMode):
 _CHECKED_CLASSES: dict[type, type] = {}
 
 
+def _forward_of(base: type) -> Callable[..., object]:
+    def forward(self, *args, **kwargs):
+        mode = _Mode(self)
+        with mode:
+            out = base.forward(self, *args, **kwargs)
+        state = self.aegis_matrix
+        if not state.first_call_done and mode.ran:
+            state.after_first_call(self.aegis_projections)
+        return out
+
+    return forward
+
+
 def checked_multihead_class(base: type) -> type:
     """`Checked<base>`: the user's class with its forward run under `_Mode` (one per class)."""
-    cls = _CHECKED_CLASSES.get(base)
-    if cls is None:
-
-        def forward(self, *args, **kwargs):
-            mode = _Mode(self)
-            with mode:
-                out = base.forward(self, *args, **kwargs)
-            state = self.aegis_matrix
-            if not state.first_call_done and mode.ran:
-                state.after_first_call(self.aegis_projections)
-            return out
-
-        def extra_repr(self) -> str:
-            return base.extra_repr(self) + ", checked=True"
-
-        def reduce(self, protocol: object) -> tuple:  # copies and pickles are the user's module
-            return _plain_reduce(self)
-
-        members = {"forward": forward, "extra_repr": extra_repr, "__reduce_ex__": reduce, "__module__": __name__}
-        cls = _CHECKED_CLASSES[base] = type(f"Checked{base.__name__}", (base,), members)
-    return cls
+    return checked_subclass(base, _forward_of, _CHECKED_CLASSES)
 
 
 def swap_multihead(
@@ -188,16 +181,11 @@ def swap_multihead(
             hooks = make_hooks(f"{name}.{projection}", module)
             linears[(projection, None)] = MatrixLinear(f"{name}.{projection}", projection, None, hooks,
                                                        linear_op.register(hooks))  # fmt: skip
-        cls = checked_multihead_class(type(module))
-        checked = cls.__new__(cls)
-        checked.__dict__.update(module.__dict__)  # shares _parameters, _buffers, _modules, hook dicts
-        mine: list[Swap] = []
-        state = MatrixState(name, type(module).__name__, [(projection, None) for projection, _ in linears],
-                            linears, unseen, seen, lambda mine=mine: restore_matrix_modules(mine))  # fmt: skip
-        object.__setattr__(checked, "aegis_matrix", state)
+        matrices = [(projection, None) for projection, _ in linears]
+        checked, mine = stand_checked(places, name, module, checked_multihead_class(type(module)), matrices, linears,
+                                      unseen, seen)  # fmt: skip
         object.__setattr__(checked, "aegis_projections", _Projections(checked, linears))
         object.__setattr__(checked, "aegis_attention_unchecked",
                            lambda reason, name=name: attention_unchecked(name, reason))  # fmt: skip
-        mine.extend(put_in_place(places.get(id(module), []), module, checked))
         swaps.extend(mine)
     return swaps
