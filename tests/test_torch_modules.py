@@ -347,3 +347,80 @@ def test_a_bias_table_looked_up_by_index_is_not_named_as_an_unchecked_matrix(tmp
     report = guard.coverage_report()
     guard.close()
     assert report.protected == {"Linear": 1} and report.not_covered == {}
+
+
+# torch's wrappers: site names without their attributes (integrations/modules.py: module_names)
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.b = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def _residual_stack() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Residual() for _ in range(3)], nn.Linear(32, 4))
+
+
+def _train_stack(model, optimizer, steps: int, run=None) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(16, 32, generator=gen)
+        (run or model)(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint_wrapper", "compiled_block"])
+def test_sites_are_named_alike_whether_blocks_were_wrapped_before_or_after_protect(tmp_path, wrap):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    def wrapped(model: nn.Sequential) -> None:
+        if wrap == "checkpoint_wrapper":  # as torchtitan and FSDP users checkpoint their blocks
+            apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                           check_fn=lambda m: isinstance(m, Residual))  # fmt: skip
+        else:  # a block compiled on its own
+            model[1] = torch.compile(model[1], backend="aot_eager")
+
+    names = {}
+    for order in ("before", "after"):
+        model = _residual_stack()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fault = aegis.FaultSpec(site="1.a:fwd", model="bitflip", bit=27, steps=(3,))
+        if order == "before":
+            wrapped(model)
+        guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path / order, faults=(fault,)))
+        if order == "after":
+            wrapped(model)
+        with pytest.warns(UserWarning, match="confirmed SDC"):
+            _train_stack(model, optimizer, 5)
+        summary = guard.close()
+        names[order] = sorted(s.site.name for s in guard.sensors)
+        assert [(i.step, i.site.name) for i in guard.incidents] == [(3, "1.a:fwd")], order
+        assert summary.false_alarms == 0
+    assert names["before"] == names["after"] and "1.a:fwd" in names["before"]
+
+
+def test_a_checkpoint_sequential_segment_is_named_by_its_modules_and_joins_the_incident_inside_it(tmp_path):
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    model = _residual_stack()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fault = aegis.FaultSpec(site="1.a:fwd", model="bitflip", bit=27, steps=(3,))
+    config = guard_config(tmp_path, faults=(fault,), fingerprints=aegis.FingerprintConfig(recompute_probability=1.0))
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    with pytest.warns(UserWarning, match="confirmed SDC"):
+        _train_stack(model, optimizer, 5, run=lambda x: checkpoint_sequential(model, 2, x, use_reentrant=False))
+    summary = guard.close()
+    assert summary.coverage["recompute_sites_checked"] == ["<root>[0:2]:recompute"]
+    # the recomputation of the segment found the corrupted forward again: one incident, not two
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(3, "1.a:fwd")]
+    assert summary.same_fault == 1

@@ -76,6 +76,7 @@ from aegis_sdc.integrations.modules import (
     GuardHook,
     LinearFilter,
     is_protected,
+    module_names,
     restore_linears,
     select_linears,
     swap_linears,
@@ -160,6 +161,7 @@ class Guard:
             raise TypeError(f"config must be a GuardConfig, got {type(config).__name__}")
         self.config = config
         self.model = model
+        self.module_names = {name or "<root>" for name, _ in module_names(model)}  # as sites name modules
         self.optimizer = optimizer
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.identity = identity or discover(device)
@@ -251,7 +253,7 @@ class Guard:
         self._matrix_swaps += multihead
         protected = {id(swap.checked) for swap in [*self._swaps, *self._matrix_swaps]}
         protected |= {id(swap.checked.out_proj) for swap in multihead}
-        self.unprotected_modules = unprotected_modules(model, protected)
+        self.unprotected_modules = unprotected_modules(module_names(model), protected)
         if self.unprotected_modules:  # named at once: nothing matmul-bearing is left out silently
             first, reason = next(iter(self.unprotected_modules.items()))
             warnings.warn(f"aegis-sdc: {len(self.unprotected_modules)} matmul modules not protected, e.g. {first}: "

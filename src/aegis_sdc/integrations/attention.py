@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aegis_sdc.integrations.modules import _transformed
+from aegis_sdc.integrations.modules import _transformed, module_names
 from aegis_sdc.kernels import triton_attention
 from aegis_sdc.ops import checked_attention as attention_op
 from aegis_sdc.ops.checked_attention import autocast_inputs, checked_attention, mask_problem
@@ -86,7 +86,7 @@ def attention_outside_sdpa(model: nn.Module) -> tuple[str, list[str]]:
     if not isinstance(implementation, str) or implementation == "sdpa":
         return "", []
     modules: list[str] = []
-    for name, module in model.named_modules():
+    for name, module in module_names(model):
         if type(module).__name__.endswith("Attention") and not any(name.startswith(f"{m}.") for m in modules):
             modules.append(name)
     return implementation, modules
@@ -95,7 +95,7 @@ def attention_outside_sdpa(model: nn.Module) -> tuple[str, list[str]]:
 class AttentionRouter:
     def __init__(self, model: nn.Module, sensor_for: Callable[[str], AttentionSensor], tracer: PlanTracer,
                  uncovered: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
-        self.names = {id(module): name for name, module in model.named_modules()}
+        self.names = {id(module): name for name, module in module_names(model)}
         self.sensor_for = sensor_for
         self.tracer = tracer
         self.uncovered = uncovered or (lambda module, reason: None)

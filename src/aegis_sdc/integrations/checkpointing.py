@@ -38,7 +38,7 @@ from torch import nn
 
 from aegis_sdc.events import FingerprintKind
 from aegis_sdc.faults.injector import FaultInjector
-from aegis_sdc.integrations.modules import GuardHook
+from aegis_sdc.integrations.modules import GuardHook, module_names
 from aegis_sdc.ops.checked_linear import PlanTracer, SegmentTrace
 from aegis_sdc.sensors.fingerprint import FingerprintChecks, FingerprintRecord, RecomputeCapture, SavedTensorCapture
 from aegis_sdc.sensors.gemm import StepClock
@@ -104,7 +104,7 @@ class RecomputeChecker:
         self, model: nn.Module, checks: FingerprintChecks, tracer: PlanTracer, injector: FaultInjector,
         clock: StepClock,
     ) -> None:  # fmt: skip
-        self.names = {id(module): name for name, module in model.named_modules()}
+        self.names = {id(module): name for name, module in module_names(model)}
         self.model = model
         self.checks = checks
         self.tracer = tracer
@@ -157,8 +157,24 @@ class RecomputeChecker:
         target = function if isinstance(function, nn.Module) else getattr(function, "__self__", bound)
         name = self.names.get(id(target)) if target is not None else None
         if name is None:
-            name = getattr(function, "__qualname__", type(function).__name__)
+            name = self._sequential_segment(function) or getattr(function, "__qualname__", type(function).__name__)
         return name.removesuffix(WRAPPED_SUFFIX) or "<root>"
+
+    def _sequential_segment(self, function: Any) -> str | None:
+        """`blocks[2:4]` for a segment of `torch.utils.checkpoint.checkpoint_sequential(blocks, ...)`:
+        its function is a closure over the Sequential's modules and the segment's first and last index."""
+        if not getattr(function, "__qualname__", "").startswith("checkpoint_sequential."):
+            return None
+        try:
+            values = (cell.cell_contents for cell in function.__closure__)
+            cells = dict(zip(function.__code__.co_freevars, values, strict=True))
+            start, end, first = cells["start"], cells["end"], cells["functions"][cells["start"]]
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError):  # another torch's closure
+            return None
+        name = self.names.get(id(first))
+        if name is None or not isinstance(start, int) or not isinstance(end, int):
+            return None
+        return f"{name.rpartition('.')[0] or '<root>'}[{start}:{end + 1}]"
 
     def _name_reentrant(self, function: Any) -> None:
         """A reentrant segment runs unchecked: named once, in a warning and the coverage report."""
@@ -344,7 +360,7 @@ class SavedTensorChecker:
             return
         self.active = True
         self.stack = ["<root>"]
-        for name, sub in self.model.named_modules():
+        for name, sub in module_names(self.model):
             if sub is not self.model:
                 enter = GuardHook(functools.partial(self._enter, name))
                 self._step_handles.append(sub.register_forward_pre_hook(enter))

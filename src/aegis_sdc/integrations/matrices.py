@@ -44,6 +44,7 @@ from aegis_sdc.integrations.modules import (
     checked_subclass,
     compiled_call,
     is_protected,
+    module_names,
     places_in,
     put_back,
     put_in_place,
@@ -97,7 +98,7 @@ def select_matrix_modules(
     """The modules with matrix parameters of their own to protect, in module order (identical on
     every rank); GuardConfig.include/exclude select them by name as they select Linears."""
     chosen = []
-    for name, module in model.named_modules():
+    for name, module in module_names(model):
         if not name or isinstance(module, OWN_HANDLING) or checked_class(module) is not None or is_protected(module):
             continue
         if type(module).__name__ == "Conv1D" or not matrix_parameters(module):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -293,6 +293,24 @@ class Swap:
         return getattr(self.parent, self.attr, None) is self.checked
 
 
+# Attributes under which wrappers hold the user's module: torch.compile's OptimizedModule (a block
+# compiled on its own, as torchtitan does), torch.distributed's CheckpointWrapper
+# (apply_activation_checkpointing) and FSDP1. Sites are named without them — as the wrapped model's
+# state dict names its parameters — so a site's name does not depend on whether the model was wrapped
+# before or after protect().
+WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def module_names(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """`model.named_modules()` with the wrappers' attributes left out of the names (a wrapper and the
+    module it holds share a name; the root's is "")."""
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if any(part in WRAPPER_ATTRIBUTES for part in parts):
+            name = ".".join(part for part in parts if part not in WRAPPER_ATTRIBUTES)
+        yield name, module
+
+
 def selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
     """Whether GuardConfig.include/exclude keep the module of this name."""
     return any(fnmatch.fnmatchcase(name, p) for p in include) and not any(fnmatch.fnmatchcase(name, p) for p in exclude)
@@ -303,7 +321,7 @@ def select_linears(
 ) -> list[tuple[str, nn.Linear]]:
     """The Linears to protect, in module order (identical on every rank)."""
     chosen = []
-    for name, module in model.named_modules():
+    for name, module in module_names(model):
         if checked_class(module) is None:
             continue
         label = name or "<root>"

@@ -35,7 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from aegis_sdc.integrations.matrices import MatrixLinear, stand_checked
-from aegis_sdc.integrations.modules import Swap, checked_subclass, is_protected, places_in, selected
+from aegis_sdc.integrations.modules import Swap, checked_subclass, is_protected, module_names, places_in, selected
 from aegis_sdc.ops import linear_op
 from aegis_sdc.ops.checked_linear import LinearHooks
 
@@ -52,7 +52,7 @@ def select_multihead(model: nn.Module, include: Sequence[str], exclude: Sequence
     own), in module order; GuardConfig.include/exclude select them by name."""
     return [
         (name, module)
-        for name, module in model.named_modules()
+        for name, module in module_names(model)
         if name and isinstance(module, nn.MultiheadAttention) and not is_protected(module)
         and type(module).forward is nn.MultiheadAttention.forward and selected(name, include, exclude)
     ]  # fmt: skip

@@ -16,6 +16,7 @@ there are). `Guard.coverage_report()` builds it; the guard logs it once, after t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -51,13 +52,15 @@ class CoverageReport:
         return "\n".join(lines)
 
 
-def unprotected_modules(model: nn.Module, protected: set[int]) -> dict[str, str]:
-    """Modules of `model` that do matmul work and are not among `protected` (ids), with why."""
+def unprotected_modules(modules: Iterable[tuple[str, nn.Module]], protected: set[int]) -> dict[str, str]:
+    """The modules (a model's (name, module) pairs) that do matmul work and are not among `protected`
+    (ids), with why."""
+    modules = list(modules)
     found: dict[str, str] = {}
     # an attention module's out_proj is multiplied by inside it, its own forward never runs: named
     # with the attention module, not as a Linear of its own
-    inside = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-    for name, module in model.named_modules():
+    inside = {id(m.out_proj) for _, m in modules if isinstance(m, nn.MultiheadAttention)}
+    for name, module in modules:
         if id(module) in protected or id(module) in inside:
             continue
         label = name or "<root>"

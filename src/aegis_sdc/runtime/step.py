@@ -44,6 +44,7 @@ from aegis_sdc.events import (
     Channel,
     CommKind,
     Evidence,
+    FingerprintKind,
     GemmKind,
     Incident,
     Site,
@@ -408,10 +409,18 @@ class StepRuntime:
         forward check of an op inside the segment (a GEMM's or attention's); for a peer replay, which
         recomputed the rank's whole step, any incident of the step."""
         inside = traced.module + "."
+        # a recomputed segment that is a function of modules, not one module (checkpoint_sequential's
+        # closures, a user's function): which ops ran inside is not known by name, so any forward
+        # incident of the step is its upstream, as for a peer replay
+        anywhere = traced.kind is StateKind.PEER_REPLAY or (
+            traced.kind is FingerprintKind.RECOMPUTE and traced.module not in self.guard.module_names
+        )
         for incident in [*new, *self.incidents]:
             site = incident.site
             if incident.step != step:
                 continue
+            if anywhere and site.kind in (GemmKind.FORWARD, AttentionKind.FORWARD):
+                return incident
             if traced.kind is StateKind.PEER_REPLAY:
                 return incident
             if traced.kind is AttentionKind.BACKWARD:
