@@ -75,7 +75,9 @@ class _Projections:
         self.seen: set[str] = set()  # projections checked ops multiplied by, until the first call is done
         self.on_device: set[str] = set()  # (MatrixState.after_first_call reads both)
         namespace = dict(F.multi_head_attention_forward.__globals__)
-        self._packed, self._separate = namespace["_in_projection_packed"], namespace["_in_projection"]
+        # (a torch whose function no longer calls these names projects unchecked: the first call names
+        # the projections it did not see, MatrixState.after_first_call)
+        self._packed, self._separate = namespace.get("_in_projection_packed"), namespace.get("_in_projection")
         namespace.update(linear=self.out_projection, _in_projection_packed=self.in_projection_packed,
                          _in_projection=self.in_projection)  # fmt: skip
         # No module name: torch.compile then reads the copy's globals from this dict (with one, from
