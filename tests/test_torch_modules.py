@@ -322,7 +322,7 @@ def test_torch_func_transforms_over_a_protected_model_run_unchecked_named_with_o
     assert reasons["model.layers.1.self_attn:attn_fwd"].startswith("its calls under a torch.func transform")
 
 
-def test_a_bias_table_looked_up_by_index_is_not_named_as_an_unchecked_matrix(tmp_path):
+def test_a_bias_table_and_a_column_of_scales_are_not_named_as_unchecked_matrices(tmp_path):
     class RelativeBias(nn.Module):  # as Swin's: a [positions, heads] table gathered into the scores
         def __init__(self) -> None:
             super().__init__()
@@ -331,14 +331,23 @@ def test_a_bias_table_looked_up_by_index_is_not_named_as_an_unchecked_matrix(tmp
         def forward(self, index: torch.Tensor) -> torch.Tensor:
             return self.relative_position_bias_table[index]
 
+    class Scale(nn.Module):  # as PEFT's IA³: a learned [features, 1] scale, multiplied elementwise
+        def __init__(self) -> None:
+            super().__init__()
+            self.ia3_l = nn.Parameter(torch.ones(2, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.ia3_l.flatten()
+
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.bias = RelativeBias()
+            self.scale = Scale()
             self.proj = nn.Linear(8, 2)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.proj(x) + self.bias(torch.arange(x.shape[0]) % 49)
+            return self.scale(self.proj(x)) + self.bias(torch.arange(x.shape[0]) % 49)
 
     model = Block()
     guard = aegis.protect(model, config=guard_config(tmp_path))

@@ -86,10 +86,11 @@ class MatrixLinear:
 
 def matrix_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The module's own parameters a Linear could multiply by: 2-D [out, in] and 3-D [experts, out,
-    in] (a leading dimension of 1 marks a tensor added by broadcasting, not a matrix; the experts'
-    biases [experts, out] are added, named as biases are)."""
+    in] (a leading dimension of 1 marks a tensor added by broadcasting, not a matrix, and a last one
+    of 1 a column of scales [out, 1] multiplied elementwise (IA³'s); the experts' biases [experts,
+    out] are added, named as biases are; runtime/coverage.py judges alike)."""
     return [(name, p) for name, p in module.named_parameters(recurse=False)
-            if p.dim() in (2, 3) and p.shape[0] > 1 and "bias" not in name]  # fmt: skip
+            if p.dim() in (2, 3) and p.shape[0] > 1 and p.shape[-1] > 1 and "bias" not in name]  # fmt: skip
 
 
 def select_matrix_modules(

@@ -102,9 +102,11 @@ def unprotected_modules(modules: Iterable[tuple[str, nn.Module]], protected: set
 def _matrix_parameters(module: nn.Module) -> str:
     """The module's own parameters of two or more dimensions, as 'name [shape]' (not its children's);
     a leading dimension of 1 marks a tensor added by broadcasting (a class token, a position table
-    [1, T, D]), not a matrix, and a bias is added (a relative position bias table, an expert's biases),
-    as integrations/matrices.py has it."""
+    [1, T, D]), not a matrix, a last one of 1 a column of scales (IA³'s [out, 1]), and a bias is added
+    (a relative position bias table, an expert's biases), as integrations/matrices.py has it."""
     params = module.named_parameters(recurse=False)
     return ", ".join(
-        f"{name} {list(p.shape)}" for name, p in params if p.dim() >= 2 and p.shape[0] > 1 and "bias" not in name
+        f"{name} {list(p.shape)}"
+        for name, p in params
+        if p.dim() >= 2 and p.shape[0] > 1 and p.shape[-1] > 1 and "bias" not in name
     )
