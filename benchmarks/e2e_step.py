@@ -14,11 +14,14 @@ step — a step whose host time exceeds its GPU time is host-bound.
 
     python benchmarks/e2e_step.py [--workloads hf,own] [--modes eager,compiled] [--rounds 5] [--steps 6]
                                   [--triton-attention] [--stall-probe] [--profile DIR] [--resume]
-                                  [--out benchmarks/results/e2e_step.json]
+                                  [--evidence inline|second-launch] [--out benchmarks/results/e2e_step.json]
 
 `--triton-attention` routes protected attention to the checked Triton kernels
 (ops/checked_attention.TRITON_ON_CUDA; each row's summary then carries the checked share of the
-attention FLOPs, `attention_checked_flops_fraction`). `--stall-probe` samples every thread's Python
+attention FLOPs, `attention_checked_flops_fraction`). `--evidence second-launch` runs every checked
+GEMM's evidence in a second launch instead of inside the GEMM's (in `gemm_diagnose.json` the second
+launch cost 0–7% less GPU time per GEMM and 20–40 µs more host time: which wins in a whole step is
+this benchmark's to say). `--stall-probe` samples every thread's Python
 stack every 5 ms during the timed steps; a step whose host time exceeds 1.5 × its config's
 median keeps the stacks seen most often in it (`stalls` in its row, with the caching allocator's
 retries in that step): where a slow step's time went. A diagnostic, not for the record: the sampler
@@ -310,12 +313,19 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="write a torch.profiler summary here")
     parser.add_argument("--triton-attention", action="store_true", help="check attention on the Triton kernels")
     parser.add_argument("--stall-probe", action="store_true", help="where slow steps' host time went (`stalls`)")
+    parser.add_argument("--evidence", choices=("inline", "second-launch"), default="inline",
+                        help="checked GEMMs' evidence inside their launch (default) or in a second one")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "e2e_step.json")
     args = parser.parse_args()
     if args.triton_attention:
         from aegis_sdc.ops import checked_attention
 
         checked_attention.TRITON_ON_CUDA = True
+    if args.evidence == "second-launch":  # every shape class's configuration, evidence in a second launch
+        from aegis_sdc.kernels import triton_gemm
+
+        for shape_class, cfg in triton_gemm.HOPPER_TABLE.items():
+            triton_gemm.HOPPER_TABLE[shape_class] = dataclasses.replace(cfg, inline_evidence=False)
     args.configs = args.configs.split(",")
     rows: dict[str, Any] = {}
     if args.resume and args.out.exists():
@@ -345,7 +355,8 @@ def main() -> None:
     ]  # fmt: skip
     env = gpu_environment(batch=BATCH, seq=SEQ, hf_shape=HF_SHAPE, own_shape=dataclasses.asdict(OWN_SHAPE),
                           optimizer="AdamW(fused=True)", dtype="bf16", rounds=args.rounds,
-                          steps=args.steps, triton_attention=args.triton_attention)  # fmt: skip
+                          steps=args.steps, triton_attention=args.triton_attention,
+                          evidence=args.evidence)  # fmt: skip
     write_result(args.out, env, rows, summary, overheads={w: overheads(r) for w, r in rows.items()})
 
 

@@ -36,6 +36,8 @@
 #   cutlass-probe CUTLASS's CuTe DSL Hopper GEMM beside ours (results/cutlass_probe.json). Needs, carried in
 #                 the ignored folder .dsl/: dsl.tar.xz (nvidia-cutlass-dsl[cu13] unpacked for the device's
 #                 Python, with its deps) and CUTLASS's dense_gemm_persistent.py example (CuTe DSL, Hopper)
+#   e2e-evidence  the HF step's full checking with the evidence inside the GEMM launch and in a second
+#                 launch, each against its unprotected step ($out/e2e_inline.json, $out/e2e_second_launch.json)
 #   e2e-eager | e2e-compiled | e2e-own   the end-to-end step record (results/e2e_step.json); the
 #                 later ones resume the file the device holds, which is the tree's (a call's outputs
 #                 do not stay on the device): `e2e` runs eager and compiled in one call
@@ -117,6 +119,12 @@ case "${1:-tests-1}" in
       -p no:cacheprovider 2>&1 | tee "$out/attention_routed_tests.log" | tail -15
     timeout 330 python benchmarks/e2e_step.py --workloads hf --configs unprotected,budget_1pct,full --rounds 3 \
       --triton-attention --out "$out/e2e_attention.json" 2>&1 | grep -v Warn | tee "$out/e2e_attention.log" ;;
+  e2e-evidence)
+    for evidence in inline second-launch; do
+      timeout 270 python benchmarks/e2e_step.py --workloads hf --modes eager --configs unprotected,full --rounds 3 \
+        --evidence "$evidence" --out "$out/e2e_${evidence/-/_}.json" 2>&1 | grep -v Warn \
+        | tee "$out/e2e_${evidence/-/_}.log" | tail -4
+    done ;;
   tests-1)
     timeout 570 python -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=10 \
       --ignore=tests/test_triton_gemm.py --ignore=tests/test_triton_linear.py --ignore=tests/test_triton_attention.py \
