@@ -272,6 +272,119 @@ def test_attn_masks_are_checked_and_match_sdpa(kind):
         assert ref[1, :, 7:].abs().min() > 0
 
 
+@pytest.mark.parametrize("shape", [(24, 24), (1, 4, 24, 24), (2, 1, 24, 24), (2, 4, 24, 24), (4, 24, 24)])
+def test_a_learned_attn_mask_gets_sdpas_gradient_summed_over_its_broadcast(shape):
+    # T5's position bias [1, H, Sq, Sk], Swin's relative bias: a float mask that requires grad. Its
+    # gradient is the scores' gradient dS, summed over the dimensions it was broadcast along.
+    g = torch.Generator().manual_seed(5)
+    b, h, s, d = 2, 4, 24, 16
+    q, k, v = (torch.randn(b, h, s, d, generator=g).requires_grad_() for _ in range(3))
+    mask = (0.5 * torch.randn(*shape, generator=g)).requires_grad_()
+    dout = torch.randn(b, h, s, d, generator=g)
+    hooks = Quiet()
+    out = checked_attention(q, k, v, attn_mask=mask, hooks=hooks)
+    grads = torch.autograd.grad(out, (q, k, v, mask), dout)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, mask)]
+        ref = F.scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3])
+        ref_grads = torch.autograd.grad(ref, leaves, dout)
+    assert grads[3].shape == mask.shape
+    # fp32 on both sides, sums in another order (as above); dMask adds a sum over at most B·H = 8 terms
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert (got - want).abs().max() <= 8 * (2 * s + d + b * h) * 2.0**-24 * want.abs().max()
+    assert float(hooks.values[True][0].max()) < backward_bound(s, s)
+
+
+def test_t5s_attention_with_its_learned_position_bias_is_checked_and_a_fault_in_it_confirmed(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+                                   decoder_start_token_id=0, dropout_rate=0.0)  # fmt: skip
+
+    def run(run_dir, faults=()):
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration(config)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        guard = aegis.protect(model, optimizer=optimizer, config=guard_config(run_dir, faults=faults))
+        g, losses = torch.Generator().manual_seed(1), []
+        for _ in range(5):
+            ids, labels = torch.randint(1, 128, (4, 16), generator=g), torch.randint(1, 128, (4, 12), generator=g)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return guard, guard.close(), losses
+
+    guard, summary, losses = run(tmp_path / "clean")
+    assert not any(name.endswith((":attn_fwd", ":attn_bwd")) for name in summary.coverage["not_covered"])
+    assert summary.attention_checks == 5 * 6 * 2 and summary.confirmed == 0  # 6 attention modules
+    torch.manual_seed(0)
+    plain = transformers.T5ForConditionalGeneration(config)  # the same model unprotected: same losses
+    optimizer, g, expected = torch.optim.SGD(plain.parameters(), lr=0.05), torch.Generator().manual_seed(1), []
+    for _ in range(5):
+        ids, labels = torch.randint(1, 128, (4, 16), generator=g), torch.randint(1, 128, (4, 12), generator=g)
+        loss = plain(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5)  # fp32, sums in another order
+    site = "encoder.block.0.layer.0.SelfAttention:attn_bwd"  # the block whose bias is learned
+    fault = aegis.FaultSpec(site=site, model="perturb", scale=64.0, steps=(3,), stage="ds")
+    with pytest.warns(UserWarning, match="confirmed SDC"):
+        guard, summary, _ = run(tmp_path / "fault", (fault,))
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(3, site)]
+
+
+class OddShapes(torch.nn.Module):
+    """SDPA called the ways it allows beyond [B, H, S, D] with grouped heads."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, S, 16]
+        if self.mode == "one head [B, S, D]":
+            return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        heads = [t.view(*x.shape[:2], 2, 8).transpose(1, 2) for t in (q, k, v)]  # [B, 2, S, 8]
+        if self.mode == "one key head broadcast":
+            q, k, v = heads[0], heads[1][:, :1], heads[2][:, :1]
+        elif self.mode == "keys broadcast over the batch":
+            q, k, v = heads[0], heads[1][:1], heads[2][:1]
+        else:  # "5-D"
+            q, k, v = (t.unsqueeze(1) for t in heads)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out(y.reshape(*x.shape[:2], 2, 8).flatten(2) if y.dim() == 5 else y.transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("mode,reason", [
+    ("one head [B, S, D]", None),
+    ("one key head broadcast", None),
+    ("keys broadcast over the batch", "the batch not broadcast"),
+    ("5-D", "the checked op takes [B, H, S, D] or [B, S, D]"),
+])  # fmt: skip
+def test_sdpa_calls_of_other_shapes_are_checked_or_named_never_crashed(tmp_path, mode, reason):
+    # Before, a call the op did not take ran SDPA unnamed (a 3-D or 5-D one), or raised from inside the
+    # op (keys broadcast over the batch).
+    torch.manual_seed(0)
+    model = OddShapes(mode)
+    site = "<root>:attn_bwd"
+    fault = aegis.FaultSpec(site=site, model="perturb", scale=64.0, steps=(2,), stage="dk")
+    guard = aegis.protect(model, config=guard_config(tmp_path, faults=() if reason else (fault,)))
+    with pytest.warns(UserWarning, match="confirmed SDC" if reason is None else "attention not checked"):
+        for _ in range(4):
+            model(torch.randn(4, 8, 16)).square().mean().backward()
+            guard.step()
+    summary = guard.close()
+    if reason is None:
+        assert summary.attention_checks == 4 * 2
+        assert [(i.step, i.site.name) for i in guard.incidents] == [(2, site)]
+    else:
+        assert summary.attention_checks == 0 and reason in summary.coverage["not_covered"]["<root>:attn_fwd"]
+
+
 class PaddedAttention(torch.nn.Module):
     """A tiny model whose attention takes a padding mask (and dropout when asked), as HF models do."""
 

@@ -610,22 +610,21 @@ def test_attention_left_unchecked_does_not_hold_back_the_budget_plan(tmp_path):
     """An attention module whose calls stay unchecked (named in the coverage) never calibrates; the
     plan must come all the same (on CUDA without the Triton attention kernels, it never did)."""
 
-    class LearnedBiasAttention(nn.Module):  # a learned attn_mask: the op cannot take it
+    class SharedKeysAttention(nn.Module):  # keys and values broadcast over the batch: the op cannot take it
         def __init__(self):
             super().__init__()
             self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
-            self.bias = nn.Parameter(torch.zeros(16, 16))
 
         def forward(self, x):
             q, k, v = self.qkv(x).view(x.shape[0], 16, 3, 2, 16).permute(2, 0, 3, 1, 4)
-            return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).transpose(1, 2).flatten(2))
+            return self.out(F.scaled_dot_product_attention(q, k[:1], v[:1]).transpose(1, 2).flatten(2))
 
     torch.manual_seed(0)
-    model = LearnedBiasAttention()
+    model = SharedKeysAttention()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     sampling = aegis.SamplingConfig(budget=0.5, replan_steps=5)
     config = guard_config(tmp_path, sampling=sampling, thresholds=aegis.ThresholdConfig(calibration_checks=2))
-    with pytest.warns(UserWarning, match="attention not checked — an attn_mask that requires grad"):
+    with pytest.warns(UserWarning, match="attention not checked — q, k, v of shapes"):
         guard = aegis.protect(model, optimizer=optimizer, config=config)
         for _ in range(12):
             model(torch.randn(4, 16, 32)).square().mean().backward()

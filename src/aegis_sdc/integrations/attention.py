@@ -73,8 +73,19 @@ def unchecked_reason(q, k, attn_mask, dropout_p: float, is_causal: bool) -> str 
         if problem is not None:
             return problem
     if attn_mask is not None:
-        return "attn_mask together with is_causal" if is_causal else mask_problem(attn_mask, q, k)
+        return "attn_mask together with is_causal" if is_causal else mask_problem(attn_mask, q, k, dropout_p)
     return None
+
+
+def _shape_problem(q, k, v, enable_gqa: bool, kwargs: dict) -> str:
+    """Why a call of the protected model that the op does not take stays on SDPA."""
+    if kwargs:
+        return f"scaled_dot_product_attention arguments the checked op does not take: {sorted(kwargs)}"
+    if q.dim() == k.dim() == v.dim() == 4 and k.shape == v.shape and q.shape[0] == k.shape[0]:
+        return (f"key/value heads {k.shape[1]} broadcast over {q.shape[1]} query heads without enable_gqa (the "
+                "checked op takes equal heads, one, or grouped ones with enable_gqa=True)")  # fmt: skip
+    return (f"q, k, v of shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (the checked op takes "
+            "[B, H, S, D] or [B, S, D], k and v alike, the batch not broadcast)")  # fmt: skip
 
 
 def attention_outside_sdpa(model: nn.Module) -> tuple[str, list[str]]:
@@ -116,7 +127,7 @@ class AttentionRouter:
             F.scaled_dot_product_attention = _live(self._original)
 
     def _caller(self) -> str | None:
-        frame = sys._getframe(2)
+        frame = sys._getframe(3)  # past this method, `_sdpa` and `sdpa`
         for _ in range(CALLER_DEPTH):
             if frame is None:
                 return None
@@ -129,7 +140,16 @@ class AttentionRouter:
 
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
              **kwargs):  # fmt: skip
-        """`F.scaled_dot_product_attention`, checked for the protected model's supported calls."""
+        """`F.scaled_dot_product_attention`, checked for the protected model's supported calls. A call
+        on [B, S, D] tensors (one head, batch first) is the [B, 1, S, D] call."""
+        if isinstance(query, torch.Tensor) and query.dim() == 3 and key.dim() == 3 and value.dim() == 3:
+            mask = attn_mask.unsqueeze(1) if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() == 3 else attn_mask
+            out = self._sdpa(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask, dropout_p, is_causal,
+                             scale, enable_gqa, **kwargs)  # fmt: skip
+            return out.squeeze(1)
+        return self._sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs)
+
+    def _sdpa(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs):
         original = self._original
         if torch.compiler.is_compiling():  # the checked attention is an eager-mode op for now
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -143,10 +163,20 @@ class AttentionRouter:
         # dtypes outside autocast go to SDPA, which raises its own error.
         q, k, v = autocast_inputs(query, key, value)
         shaped = (
-            not kwargs and q.dim() == 4 and k.dim() == 4 and (enable_gqa or k.shape[1] == q.shape[1])
+            not kwargs and q.dim() == k.dim() == v.dim() == 4 and k.shape == v.shape and q.shape[0] == k.shape[0]
+            # a single key/value head broadcast over the query heads is grouped-query attention's
+            # arithmetic with one group (its gradient summed over the heads, as autograd sums a broadcast)
+            and (enable_gqa or k.shape[1] in (q.shape[1], 1)) and q.shape[3] == k.shape[3]
             and q.is_floating_point() and q.dtype == k.dtype == v.dtype
         )  # fmt: skip
-        if not shaped or self.closed or (q.is_cuda and self._cuda_naming_done):
+        if self.closed or (q.is_cuda and self._cuda_naming_done):
+            return fallback()
+        if not shaped:  # a call SDPA may take (or refuse) that the op does not: named, if the model's
+            if not kwargs and (q.dtype != k.dtype or q.dtype != v.dtype or not q.is_floating_point()):
+                return fallback()  # SDPA's own error
+            name = self._caller()
+            if name is not None:
+                self.uncovered(name, _shape_problem(q, k, v, enable_gqa, kwargs))
             return fallback()
         # An empty batch, no query or no key: no arithmetic to check, so nothing is left uncovered;
         # SDPA defines the result, while the checked kernels would have no row to reduce.

@@ -75,6 +75,7 @@ class Backward:
     values: torch.Tensor  # [len(BACKWARD_CHECKS), N] fp64: normalized differences, check by check
     raw_l2: torch.Tensor  # [N] fp64: ‖1ᵀdV − 1ᵀdO‖₂ per head
     check_l2: torch.Tensor | None = None  # [len(BACKWARD_CHECKS), N]: each check's ‖raw difference‖₂ (Triton path)
+    ds: torch.Tensor | None = None  # [N, Sq, Sk] fp32: the scores' gradient, an attn_mask's (reference path)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
@@ -185,7 +186,7 @@ def _backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFa
         _gemm_rows(dq_acc, ds, k32),
         _gemm_rows(dk_acc, ds.transpose(1, 2), q32),
     ])  # fmt: skip
-    return Backward(dq_acc * scale, dk_acc * scale, dv, values, diff.norm(dim=1))
+    return Backward(dq_acc * scale, dk_acc * scale, dv, values, diff.norm(dim=1), ds=ds)
 
 
 def backward_bound(queries: int, keys: int) -> float:

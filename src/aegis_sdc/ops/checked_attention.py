@@ -89,18 +89,19 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"checked attention: q, k, v need one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def mask_problem(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> str | None:
+def mask_problem(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0) -> str | None:
     """Why an `attn_mask` cannot be checked (None: it can). Checked: boolean or floating masks that
-    broadcast to [B, H, Sq, Sk] and need no gradient. A query row the mask leaves no key (the padded
-    rows of a left-padded batch) gets zeros, output and gradients, as SDPA gives it, and checks
-    nothing, on both paths (no host read of the mask)."""
+    broadcast to [B, H, Sq, Sk]; one that requires grad (T5's learned position bias, Swin's relative
+    bias) on the reference kernels, which give its gradient — the scores' gradient dS, summed over the
+    mask's broadcast dimensions. A query row the mask leaves no key (the padded rows of a left-padded
+    batch) gets zeros, output and gradients, as SDPA gives it, and checks nothing, on both paths (no
+    host read of the mask)."""
     b, h, sq, _ = q.shape
     target = (b, h, sq, k.shape[2])
     if not (mask.dtype == torch.bool or mask.is_floating_point()):
         return f"an attn_mask of dtype {mask.dtype}"
-    if mask.requires_grad:
-        # T5's position bias, or a mask a checkpointed segment made require grad: the op gives no dMask
-        return "an attn_mask that requires grad (the checked op computes no gradient for the mask)"
+    if mask.requires_grad and kernels_for(q, k, dropout_p).in_place:
+        return "an attn_mask that requires grad (the GPU kernels compute no gradient for the mask)"
     try:
         torch.broadcast_shapes(mask.shape, target)
     except RuntimeError:
@@ -271,12 +272,12 @@ def _differentiable_once(backward):
 
 class CheckedAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks, mask: torch.Tensor | None,
+    def forward(ctx, q, k, v, causal: bool, scale: float, hooks: AttentionHooks, attn_mask: torch.Tensor | None,
                 dropout_p: float):  # fmt: skip
         b, h = q.shape[:2]
         plan = hooks.plan(b * h)
         kernels = kernels_for(q, k, dropout_p)
-        qf, kf, vf, mask = _operands(kernels, q, k, v, mask)
+        qf, kf, vf, mask = _operands(kernels, q, k, v, attn_mask)
         drop = None
         # drawn from the device's RNG, once per call (a checkpoint's recomputation restores it): the
         # Triton kernels draw the mask themselves from a seed; the reference kernels take it whole
@@ -290,7 +291,8 @@ class CheckedAttentionFunction(torch.autograd.Function):
 
         hooks.observe(plan, False, result.values, CallContext(kernels, qf, kf, vf, scale, causal, out, lse, mask=mask,
                                                               drop=drop))  # fmt: skip
-        ctx.kernels, ctx.mask, ctx.drop = kernels, mask, drop  # the mask as the kernels take it; no gradient
+        ctx.kernels, ctx.mask, ctx.drop = kernels, mask, drop  # the mask as the kernels take it
+        ctx.mask_like = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype)  # for its gradient
         ctx.save_for_backward(q, k, v, result.out, result.lse)
         ctx.causal, ctx.scale, ctx.hooks, ctx.plan = causal, scale, hooks, plan
         return result.out.view(q.shape)
@@ -313,7 +315,11 @@ class CheckedAttentionFunction(torch.autograd.Function):
         # GQA: each key/value head's gradient is the sum over its group of query heads (fp32, fixed order)
         dk = result.dk.reshape(b, hkv, h // hkv, *k.shape[2:]).sum(dim=2)
         dv = result.dv.reshape(b, hkv, h // hkv, *v.shape[2:]).sum(dim=2)
-        return result.dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dmask = None
+        if ctx.needs_input_grad[6]:  # S = c·qkᵀ + mask: the mask's gradient is dS, summed where it broadcast
+            shape, dtype = ctx.mask_like
+            dmask = result.ds.reshape(b, h, *result.ds.shape[1:]).sum_to_size(shape).to(dtype)
+        return result.dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dmask, None
 
 
 def checked_attention(q, k, v, *, causal: bool = False, scale: float | None = None, hooks: AttentionHooks,
@@ -329,7 +335,7 @@ def checked_attention(q, k, v, *, causal: bool = False, scale: float | None = No
     if attn_mask is not None:
         if causal:
             raise ValueError("checked attention: attn_mask and causal together (SDPA takes one or the other)")
-        problem = mask_problem(attn_mask, q, k)
+        problem = mask_problem(attn_mask, q, k, dropout_p)
         if problem is not None:
             raise ValueError(f"checked attention cannot take {problem}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
