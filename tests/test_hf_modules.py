@@ -205,3 +205,28 @@ def test_a_left_padded_batch_has_its_attention_checked_and_a_fault_in_it_confirm
     assert not any(":attn_" in site for site in summary.coverage["not_covered"])
     assert [(i.site.name, i.step) for i in guard.incidents] == ([(site, 6)] if fault else [])
     assert summary.confirmed == int(fault)
+
+
+def test_mambas_projections_are_checked_and_its_state_matrix_is_not_named_as_a_matmul(tmp_path):
+    # Mamba's mixer holds A_log [d_inner, state] of its own: exp'd and multiplied by the step sizes
+    # elementwise (the discretization), never a matmul weight — not named; its conv1d is (a
+    # convolution). Its four projections are Linears, checked; a fault in one is confirmed.
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=128, state_size=8)
+    model = transformers.MambaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    site = "backbone.layers.1.mixer.x_proj:wgrad"
+    spec = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(2,), row=1, col=2)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(spec,)))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        ids = torch.randint(0, 128, (2, 16), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    report = guard.coverage_report()
+    summary = guard.close()
+    assert set(report.not_covered) == {f"backbone.layers.{i}.mixer.conv1d" for i in range(2)}
+    assert report.protected == {"Linear": 9}  # in_proj, x_proj, dt_proj, out_proj per layer; lm_head
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(2, site)]
+    assert summary.false_alarms == 0

@@ -114,7 +114,7 @@ def test_copies_of_a_protected_moe_model_are_plain_and_closing_gives_the_modules
 
 
 class PositionTable(torch.nn.Module):
-    """A matrix parameter added, not multiplied: no checked op can see it."""
+    """A matrix parameter added to the input, not multiplied: no matmul weight."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -174,24 +174,58 @@ def test_a_matrix_multiplied_by_matmul_is_checked_as_the_linear_of_its_transpose
     assert summary.false_alarms == summary.data_false_alarms and summary.coverage["not_covered"] == {}
 
 
-def test_a_matrix_no_checked_op_multiplies_by_is_named_and_its_module_handed_back(tmp_path):
-    model = torch.nn.Sequential(PositionTable(), Einsum(), torch.nn.Linear(16, 4))
+class DerivedWeights(torch.nn.Module):
+    """Matrices multiplied after a derivation the checked ops do not take — a scaled copy by F.linear,
+    a low-rank product by bmm — one used elementwise after exp (Mamba's A_log), one never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scaled = torch.nn.Parameter(torch.randn(16, 16) / 4)
+        self.low = torch.nn.Parameter(torch.randn(4, 16) / 4)
+        self.a_log = torch.nn.Parameter(torch.randn(8, 16))
+        self.spare = torch.nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, 8, 16]
+        x = torch.nn.functional.linear(x, self.scaled.float() * 0.5)
+        lr = self.low.t().unsqueeze(0).expand(x.shape[0], -1, -1)  # [B, 16, 4]
+        x = torch.bmm(torch.bmm(x, lr), lr.transpose(1, 2))
+        return x * torch.exp(-self.a_log.exp())
+
+
+def test_a_matrix_no_checked_op_multiplies_by_is_named_with_what_multiplied_it_and_its_module_handed_back(
+    tmp_path,
+):
+    model = torch.nn.Sequential(PositionTable(), Einsum(), DerivedWeights(), torch.nn.Linear(16, 4))
     guard = aegis.protect(model, optimizer=None, config=guard_config(tmp_path))
-    assert [type(m).__name__ for m in model] == ["CheckedPositionTable", "CheckedEinsum", "CheckedLinear"]
+    assert [type(m).__name__ for m in model] == ["CheckedPositionTable", "CheckedEinsum", "CheckedDerivedWeights",
+                                                 "CheckedLinear"]  # fmt: skip
     with pytest.warns(UserWarning) as caught:
         model(torch.randn(2, 8, 16)).sum().backward()
-    named = sorted(str(w.message) for w in caught if "not checked" in str(w.message))
-    assert len(named) == 2 and "0.table" in named[0] and "1.w" in named[1]
+    named = sorted(str(w.message).split(": ")[1] for w in caught if "not checked" in str(w.message))
+    assert named == ["1.w", "2.low", "2.scaled", "2.spare"]  # not the table or a_log: used elementwise only
     # none of their matrices checked: the model runs their own classes from the next call on
-    assert [type(m).__name__ for m in model] == ["PositionTable", "Einsum", "CheckedLinear"]
+    assert [type(m).__name__ for m in model] == ["PositionTable", "Einsum", "DerivedWeights", "CheckedLinear"]
     model(torch.randn(2, 8, 16)).sum().backward()
     report = guard.coverage_report()
     summary = guard.close()
-    assert {"0.table", "1.w"} <= set(
-        report.not_covered
-    ) and "no F.linear, matmul or grouped GEMM" in report.not_covered["1.w"]
+    named = {name: reason for name, reason in report.not_covered.items() if name[0].isdigit()}
+    assert set(named) == {"1.w", "2.low", "2.scaled", "2.spare"}
+    assert "multiplied by torch.einsum" in named["1.w"] and "multiplied by torch.bmm" in named["2.low"]
+    assert "multiplied by torch.linear" in named["2.scaled"]
+    assert "no op of the module's first call multiplied its input by it" in named["2.spare"]
     assert report.protected == {"Linear": 2}  # the position table's Linear and the head
     assert summary.confirmed == 0
+
+
+def test_a_first_call_without_grad_still_tells_a_matrix_used_elementwise_from_one_multiplied(tmp_path):
+    # Under no_grad nothing requires grad: the call's data is what derives from its inputs
+    model = torch.nn.Sequential(PositionTable(), Einsum(), torch.nn.Linear(16, 4))
+    guard = aegis.protect(model, optimizer=None, config=guard_config(tmp_path))
+    with torch.no_grad(), pytest.warns(UserWarning, match="multiplied by torch.einsum"):
+        model(torch.randn(2, 8, 16))
+    report = guard.coverage_report()
+    guard.close()
+    assert "1.w" in report.not_covered and "0.table" not in report.not_covered
 
 
 @pytest.mark.gpu

@@ -19,11 +19,16 @@ own forward, dgrad and wgrad sites, named `<module>.<e>.<parameter>` for an expe
 router), else `<module>.<parameter>`. The gradient reaches the parameter through the slice, as it
 does unprotected. Every other op of the forward runs as it would.
 
-What the mode cannot check stays named, never silently skipped: a matrix that no such op multiplied
-by in the module's first call with any input (an einsum or bmm, a position table added by
-broadcasting), and on a GPU a grouped GEMM (split by expert, it needs the routing on the host: a
-device sync per call) — named in a warning and the coverage report; a module none of whose
-matrices was checked is handed back to the model.
+What the mode cannot check stays named, never silently skipped. In the module's first call the mode
+follows each matrix the checked ops did not take, through the ops that derive tensors from it alone
+(a view, a cast, `exp`), to where it meets the call's data (the forward's inputs, tensors that
+require grad): a matrix that reaches another contraction there (an einsum, a bmm, a convolution) is
+named with that op; one that no op let meet the data (a custom kernel, another module's forward) is
+named too; one met only elementwise or as a lookup (a position table added to the input, Mamba's
+`A_log` in its discretization, a table gathered by index) is no matmul weight and is not. On a GPU a
+grouped GEMM (split by expert, it needs the routing on the host: a device sync per call) is named.
+Names go to a warning and the coverage report; a module none of whose matrices was checked is
+handed back to the model.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from aegis_sdc.integrations.modules import (
     Swap,
@@ -127,14 +133,24 @@ class _LinearsOf(TorchFunctionMode):
     """During one forward of a checked matrix module: F.linear on its matrices, and grouped GEMMs over
     its experts, run checked (the mode is off inside its own handler: the checked op's own calls pass)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, uses: MatrixUses | None = None) -> None:
         super().__init__()
         self.module = module
         self.seen: set[str] = set()  # parameters some F.linear or grouped GEMM multiplied by
         self.on_device: set[str] = set()  # of those, by grouped GEMMs left unchecked (CUDA)
+        self.uses = uses  # the first call only: what every other op did with the matrices
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = self._checked(func, args, kwargs)
+        if out is NotImplemented:
+            out = func(*args, **kwargs)
+            if self.uses is not None:
+                self.uses.record(func, args, kwargs, out)
+        return out
+
+    def _checked(self, func, args: tuple, kwargs: dict):
+        """The call as the checked op of one of the module's matrices, or NotImplemented."""
         if func is F.linear:
             x = args[0] if args else kwargs["input"]
             weight = args[1] if len(args) > 1 else kwargs["weight"]
@@ -155,7 +171,7 @@ class _LinearsOf(TorchFunctionMode):
             out = self._grouped(args[0], args[1], offs, kwargs)
             if out is not None:
                 return out
-        return func(*args, **kwargs)
+        return NotImplemented
 
     def _grouped(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor | None, kwargs: dict
                  ) -> torch.Tensor | None:  # fmt: skip
@@ -242,6 +258,72 @@ def _linear_for(module: nn.Module, weight: torch.Tensor) -> MatrixLinear | None:
     return None
 
 
+# Ops that multiply their operands as matrices (by name: torch.x, Tensor.x, F.x alike)
+CONTRACTIONS = frozenset({
+    "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "mv", "addmm", "addmm_", "baddbmm", "baddbmm_", "addbmm",
+    "addmv", "einsum", "tensordot", "inner", "multi_dot", "chain_matmul", "linear", "bilinear", "conv1d", "conv2d",
+    "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "scaled_dot_product_attention",
+    "_grouped_mm", "grouped_mm",
+})  # fmt: skip
+
+
+class MatrixUses:
+    """What a module's first call did with its matrices outside the checked ops (the module
+    docstring): tensors derived from matrices alone are followed op by op (weakly held: the call's
+    temporaries die as they would); an op that mixes one with the call's data — its inputs, a tensor
+    that requires grad and is no matrix-derived one — is where the matrix is used: `contracted` by a
+    contraction, `elementwise` by any other op."""
+
+    def __init__(self) -> None:
+        self.derived = WeakIdKeyDictionary()  # tensor → the matrices it was derived from alone
+        self.data = WeakIdKeyDictionary()  # tensor → True: the call's data
+        self.contracted: dict[str, str] = {}  # matrix → the first contraction that multiplied it
+        self.elementwise: set[str] = set()
+
+    @classmethod
+    def following(cls, module: nn.Module, inputs: tuple) -> MatrixUses:
+        """The uses of `module`'s matrices, to follow through a call on `inputs`."""
+        uses = cls()
+        for pname, _ in module.aegis_matrix.matrices:
+            uses.derived[module._parameters[pname]] = frozenset({pname})
+        for t in _tensors(inputs):
+            uses.data[t] = True
+        return uses
+
+    def record(self, func, args: tuple, kwargs: dict, out: object) -> None:
+        sources, mixed = set(), False
+        for t in _tensors((args, kwargs)):
+            if t in self.derived:
+                sources |= self.derived[t]
+            elif t in self.data or t.requires_grad:
+                mixed = True
+        outputs = _tensors(out)
+        if sources and not mixed:  # still the matrices alone: a view, a cast, exp(A_log)
+            for t in outputs:
+                self.derived[t] = frozenset(sources)
+            return
+        if sources:  # a matrix meets the call's data here
+            if getattr(func, "__name__", "") in CONTRACTIONS:
+                for pname in sources:
+                    self.contracted.setdefault(pname, f"torch.{func.__name__.strip('_')}")
+            else:
+                self.elementwise |= sources
+        if mixed:  # the data carried on (also where it no longer requires grad)
+            for t in outputs:
+                self.data[t] = True
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result (nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
 @dataclass
 class MatrixState:
     """What a checked matrix module carries (its `aegis_matrix` attribute)."""
@@ -256,15 +338,20 @@ class MatrixState:
     first_call_done: bool = False
 
     def after_first_call(self, mode: _LinearsOf) -> None:
-        """Name each matrix the first call did not check; with none checked at all, give the model its
-        own module back (the mode would cost every later call Python work for nothing)."""
+        """Name each matrix the first call did not check, unless it was used only elementwise (no
+        matmul weight); with none checked at all, give the model its own module back (the mode would
+        cost every later call Python work for nothing)."""
         self.first_call_done = True
         checked = mode.seen - mode.on_device
+        # (no uses followed: a mode that takes every matrix it is given, multihead.py's projections)
+        contracted, elementwise = (mode.uses.contracted, mode.uses.elementwise) if mode.uses else ({}, set())
         for pname, _ in self.matrices:
-            if pname in checked:
+            elementwise_only = pname in elementwise and pname not in contracted
+            if pname in checked or (elementwise_only and pname not in mode.on_device):
                 self.seen(f"{self.name}.{pname}")
             else:
-                self.unseen(f"{self.name}.{pname}", _unseen_reason(self.kind, pname, pname in mode.on_device))
+                reason = _unseen_reason(self.kind, pname, pname in mode.on_device, contracted.get(pname))
+                self.unseen(f"{self.name}.{pname}", reason)
         if not checked:
             self.release()
 
@@ -274,16 +361,23 @@ _CHECKED_CLASSES: dict[type, type] = {}
 
 def _forward_of(base: type) -> Callable[..., object]:
     def forward(self, *args, **kwargs):
-        mode = _LinearsOf(self)
-        with mode:
-            out = base.forward(self, *args, **kwargs)
-        state = self.aegis_matrix
-        inputs = (*args, *kwargs.values())
-        if not state.first_call_done and any(isinstance(a, torch.Tensor) and a.numel() for a in inputs):
-            state.after_first_call(mode)
-        return out
+        if not self.aegis_matrix.first_call_done and any(t.numel() for t in _tensors((args, kwargs))):
+            return _first_forward(self, base, args, kwargs)
+        with _LinearsOf(self):
+            return base.forward(self, *args, **kwargs)
 
     return forward
+
+
+@torch.compiler.disable
+def _first_forward(module: nn.Module, base: type, args: tuple, kwargs: dict) -> object:
+    """The module's first call with data, eager even in a compiled model (the uses are followed in
+    Python, op by op), then its matrices named or handed back: `MatrixState.after_first_call`."""
+    mode = _LinearsOf(module, MatrixUses.following(module, (args, kwargs)))
+    with mode:
+        out = base.forward(module, *args, **kwargs)
+    module.aegis_matrix.after_first_call(mode)
+    return out
 
 
 def checked_matrix_class(base: type) -> type:
@@ -333,14 +427,17 @@ def stand_checked(
     return checked, mine
 
 
-def _unseen_reason(kind: str, pname: str, grouped_on_device: bool) -> str:
+def _unseen_reason(kind: str, pname: str, grouped_on_device: bool, contraction: str | None) -> str:
     if grouped_on_device:
         return (
             f"{kind}.{pname}: its experts run as one grouped GEMM on the GPU, which is not checked (checking "
             "them expert by expert needs the routing on the host; experts_implementation='eager' is checked)"
         )
-    return (f"{kind}.{pname}: no F.linear, matmul or grouped GEMM multiplied by it in the module's first call "
-            "(another kernel: an einsum, a bmm; or it is no weight): not checked")  # fmt: skip
+    if contraction is not None:
+        return (f"{kind}.{pname}: multiplied by {contraction} in the module's first call, an op the guard does "
+                "not check (F.linear, `@`, grouped GEMMs on the matrix itself are): not checked")  # fmt: skip
+    return (f"{kind}.{pname}: no op of the module's first call multiplied its input by it (another kernel, a "
+            "custom op, another module's forward): not checked")  # fmt: skip
 
 
 def uncalled(swaps: list[Swap]) -> None:

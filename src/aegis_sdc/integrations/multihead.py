@@ -74,6 +74,7 @@ class _Projections:
         self.linears = linears  # (projection, None) → MatrixLinear
         self.seen: set[str] = set()  # projections checked ops multiplied by, until the first call is done
         self.on_device: set[str] = set()  # (MatrixState.after_first_call reads both)
+        self.uses = None  # no use of another op followed: the projections are all it multiplies
         namespace = dict(F.multi_head_attention_forward.__globals__)
         # (a torch whose function no longer calls these names projects unchecked: the first call names
         # the projections it did not see, MatrixState.after_first_call)
