@@ -481,10 +481,12 @@ class StepRuntime:
         self.warned_late_boundary = True
         warnings.warn(
             "aegis-sdc: an alarm could not be verified because its weight was updated before the step "
-            "ended — the step boundary comes after the optimizer's update (as an optimizer pre-hook does "
-            "under Lightning's automatic optimization, which runs forward and backward inside "
-            "optimizer.step). Use aegis_sdc.integrations.lightning.AegisCallback, or call guard.step() "
-            "after backward and before the update (docs/integrations.md)", stacklevel=3,
+            "ended — the step boundary comes after the optimizer's update: forward and backward ran inside "
+            "optimizer.step(closure) (Lightning's automatic optimization; LBFGS, which updates the weights "
+            "between evaluations of its closure). Under Lightning use aegis_sdc.integrations.lightning."
+            "AegisCallback; with a closure of your own call guard.step() at the closure's end, after "
+            "backward; otherwise call guard.step() after backward and before the update "
+            "(docs/integrations.md)", stacklevel=3,
         )  # fmt: skip
 
     def _name_unmatched_faults(self, report: StepReport) -> None:
