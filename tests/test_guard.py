@@ -229,10 +229,10 @@ def _lbfgs_steps(model, data, optimizer, guard, steps: int, boundary_in_closure:
 
 
 @pytest.mark.parametrize("fault", [False, True])
-def test_an_optimizer_that_evaluates_a_closure_is_verified_with_the_boundary_at_the_closures_end(tmp_path, fault):
+def test_an_optimizer_evaluating_a_closure_is_verified_with_the_boundary_at_the_closures_end(tmp_path, fault):
     model, data, _ = small_workload()
     optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
-    site = "layers.0.mlp.up_proj:wgrad"
+    site = "layers.0.mlp.up_proj:fwd"  # its replay multiplies by the weight as the call saw it
     specs = (aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(4,), row=1, col=2),) if fault else ()
     guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=specs))
     with warnings.catch_warnings(record=True) as caught:
@@ -250,7 +250,8 @@ def test_an_optimizer_that_evaluates_a_closure_is_verified_with_the_boundary_at_
 def test_without_the_boundary_in_the_closure_the_warning_says_where_to_put_it(tmp_path):
     model, data, _ = small_workload()
     optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
-    spec = aegis.FaultSpec(site="layers.0.mlp.up_proj:wgrad", model="bitflip", bit=30, steps=(2,), row=1, col=2)
+    # the first evaluation's forward is struck; LBFGS moves the weight on before the step's end
+    spec = aegis.FaultSpec(site="layers.0.mlp.up_proj:fwd", model="bitflip", bit=30, steps=(2,), row=1, col=2)
     guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(spec,)))
     with pytest.warns(UserWarning, match=r"optimizer.step\(closure\).*guard.step\(\) at the closure's end"):
         _lbfgs_steps(model, data, optimizer, guard, 6, boundary_in_closure=False)
