@@ -288,7 +288,7 @@ def test_a_step_takes_the_weight_sums_in_one_pass_per_weight_shape(tmp_path, mon
     assert sorted(launches) == [False, True, True, True]
     epoch = guard.device_state.epoch
     # what the step's GEMMs read: the keys hold, nothing is launched
-    weights = [(swap.checked.weight, swap.checked.aegis_hooks.weight_stats) for swap in guard._swaps]
+    weights = [(swap.checked.weight, swap.checked.aegis_hooks.weight_stats) for swap in guard.protection.linear_swaps]
     read = [(w, stats.get(w, w, epoch)) for w, stats in weights]
     assert len(launches) == 4
     for w, (fwd_side, dgrad_side) in read:

@@ -17,8 +17,9 @@ The parts, in the order a step meets them:
                        then the policy, which may raise before an update lands);
 - response/certification.py  certified checkpoints and the rollback policy.
 
-Here: building those parts from the config and the model (the Linears swapped for checked ones,
-the attention routed, the fingerprint checkers installed), the optimizer's step hooks that end each
+Here: building those parts from the config and the model (integrations/protection.py swaps the matmul
+modules for checked ones and keeps the ledger of what runs unchecked; the attention routed, the
+fingerprint checkers installed), the optimizer's step hooks that end each
 step, the public API (step, summary, coverage, checkpoints, close) and the state sensors' cadence.
 The step ends in the optimizer's step hooks, or at `Guard.step()` for loops without an optimizer.
 """
@@ -63,25 +64,12 @@ from aegis_sdc.events import (
     VerdictKind,
 )
 from aegis_sdc.faults.injector import FaultInjector
-from aegis_sdc.integrations.attention import AttentionRouter, attention_outside_sdpa
+from aegis_sdc.integrations.attention import AttentionRouter
 from aegis_sdc.integrations.checkpointing import RecomputeChecker, SavedTensorChecker
-from aegis_sdc.integrations.matrices import (
-    restore_matrix_modules,
-    select_matrix_modules,
-    swap_matrix_modules,
-    uncalled,
-)
-from aegis_sdc.integrations.modules import (
-    TRANSFORMED,
-    GuardHook,
-    LinearFilter,
-    is_protected,
-    module_names,
-    restore_linears,
-    select_linears,
-    swap_linears,
-)
-from aegis_sdc.integrations.multihead import select_multihead, swap_multihead
+from aegis_sdc.integrations.matrices import select_matrix_modules
+from aegis_sdc.integrations.modules import GuardHook, LinearFilter, is_protected, module_names, select_linears
+from aegis_sdc.integrations.multihead import select_multihead
+from aegis_sdc.integrations.protection import Protection, Uncovered
 from aegis_sdc.kernels.reference import Tiling
 from aegis_sdc.ops.checked_linear import LinearHooks, PlanTracer
 from aegis_sdc.ops.fingerprint import FingerprintPool
@@ -93,7 +81,7 @@ from aegis_sdc.response.evidence import EvidenceBudget
 from aegis_sdc.response.policies import Responder
 from aegis_sdc.response.quarantine import quarantine_entry
 from aegis_sdc.runtime.budget import BudgetController, BudgetPlan, StepTimer
-from aegis_sdc.runtime.coverage import CoverageReport, unprotected_modules
+from aegis_sdc.runtime.coverage import CoverageReport
 from aegis_sdc.runtime.evidence import Collected
 from aegis_sdc.runtime.gate import OptimizerGate, gateable
 from aegis_sdc.runtime.plan import GEMMS_PER_LINEAR, StepPlan
@@ -199,8 +187,6 @@ class Guard:
         self.sensor_clock = SensorClock(device)  # what the state sensors' firings cost
         self.sensor_stretch = 1  # in force: the state sensors fire at this multiple of their periods
         self._pending_events: list[tuple[str, str, int]] = []  # events for the next record (plans, gaps)
-        self.uncovered_linears: dict[str, str] = {}  # module → why some of its calls run unchecked
-        self._warned_transformed = False  # calls under a torch.func transform: warned of once
         self._collected: Collected | None = None  # a gated step between optimizer pre- and post-hook
         self._start_step = start_step
         self._warned_no_boundary = False  # checked calls with no step boundary: named once
@@ -241,23 +227,9 @@ class Guard:
                                    start_step=self._start_step)  # fmt: skip
         self.attention_records: list[AttentionRecord] = []
         self.attention_sensors: dict[str, AttentionSensor] = {}
-        self._swaps = swap_linears(model, chosen, self._make_hooks)
-        # MoE experts and routers: matrix parameters multiplied by F.linear (integrations/matrices.py)
-        matrices = select_matrix_modules(model, config.include, config.exclude)
-        self._matrix_swaps = swap_matrix_modules(model, matrices, self._make_hooks, self._unseen_matrix,
-                                                 self._seen_matrix)  # fmt: skip
-        # nn.MultiheadAttention's projections, F.linear calls inside F.multi_head_attention_forward
-        # (integrations/multihead.py); its out_proj child is checked through it
-        multihead = swap_multihead(model, select_multihead(model, config.include, config.exclude), self._make_hooks,
-                                   self._unseen_matrix, self._seen_matrix, self._uncovered_attention)  # fmt: skip
-        self._matrix_swaps += multihead
-        protected = {id(swap.checked) for swap in [*self._swaps, *self._matrix_swaps]}
-        protected |= {id(swap.checked.out_proj) for swap in multihead}
-        self.unprotected_modules = unprotected_modules(module_names(model), protected)
-        if self.unprotected_modules:  # named at once: nothing matmul-bearing is left out silently
-            first, reason = next(iter(self.unprotected_modules.items()))
-            warnings.warn(f"aegis-sdc: {len(self.unprotected_modules)} matmul modules not protected, e.g. {first}: "
-                          f"{reason} (guard.coverage_report() names each)", stacklevel=3)  # fmt: skip
+        # what runs unchecked, and why (integrations/protection.py); the modules swapped for checked ones
+        self.uncovered = Uncovered(self._pending_events, self._site_id, self._attention_sensor)
+        self.protection = Protection(model, chosen, config.include, config.exclude, self._make_hooks, self.uncovered)
         self.planner = StepPlanner(
             sensors=self.sensors, attention_sensors=self.attention_sensors, plan=self.plan, budget=self.budget,
             sampler=self.sampler, injector=self.injector, device=self._device, tiling=self._tiling,
@@ -267,22 +239,14 @@ class Guard:
                                                     for name, period in self._sensor_periods().items())  # fmt: skip
         self.planner.begin(self.clock.step)
         self._setup_fingerprints(model, config)
-        self.uncovered_attention: dict[str, str] = {}  # module → why its attention runs unchecked
         self._router = (
-            AttentionRouter(model, self._attention_sensor, self.tracer, self._uncovered_attention)
+            AttentionRouter(model, self._attention_sensor, self.tracer, self.uncovered.attention_module)
             if config.attention
             else None
         )
         if self._router is not None:
             self._router.install()
-            implementation, modules = attention_outside_sdpa(model)
-            if modules:  # one warning for all: the fix is the model's, not each layer's
-                reason = (f"transformers' {implementation!r} attention runs without scaled_dot_product_attention "
-                          "(where the model supports it, load it with attn_implementation='sdpa')")  # fmt: skip
-                for module in modules:
-                    self._uncovered_attention(module, reason, warn=False)
-                warnings.warn(f"aegis-sdc: the attention of {len(modules)} modules (e.g. {modules[0]}) is not "
-                              f"checked — {reason}", stacklevel=3)  # fmt: skip
+            self.uncovered.attention_outside_sdpa(model)
         self.store.write_run(self.identity.to_dict(), config.to_dict(), _versions())
         self.step_recorder = StepRecorder(self.store, self.registry, self.injector, self.identity.rank)
         self.store.write_sites(self.registry.take_unwritten())
@@ -353,55 +317,10 @@ class Guard:
             tracer=self.tracer,
             plan=self.plan,
             index=self.plan.add_linear(tuple(s.probability for s in sensors)),
-            uncovered=self._uncovered,
+            uncovered=self.uncovered.linear,
         )
         self.weight_sums.join(linear, hooks.index, hooks.weight_stats)  # the Linear shares its parameters
         return hooks
-
-    def _uncovered(self, module: str, reason: str) -> None:
-        """A protected Linear whose calls run unchecked — the GPU kernels cannot take them, or they run
-        under a torch.func transform: named once, in a warning and the coverage."""
-        if module not in self.uncovered_linears:
-            self.uncovered_linears[module] = reason
-            message = f"{module}: not checked — {reason}"
-            self._pending_events.append(("not_covered", message, self._site_id(f"{module}:fwd")))
-            self._warn_uncovered(message, reason)
-
-    def _unseen_matrix(self, name: str, reason: str) -> None:
-        """A matrix of a protected matrix module that its first call multiplied by another kernel than
-        F.linear: named once, in a warning and the coverage, as an unprotected module is."""
-        if name not in self.unprotected_modules:
-            self.unprotected_modules[name] = reason
-            self._pending_events.append(("not_covered", f"{name}: {reason}", None))
-            warnings.warn(f"aegis-sdc: {name}: {reason}", stacklevel=4)
-
-    def name_uncalled_matrices(self) -> None:
-        """After the first step (runtime/step.py): matrices whose module's forward never ran are named."""
-        uncalled(self._matrix_swaps)
-
-    def _seen_matrix(self, name: str) -> None:
-        """A matrix named as not checked was checked at a later first call of its module."""
-        self.unprotected_modules.pop(name, None)
-
-    def _uncovered_attention(self, module: str, reason: str, warn: bool = True) -> None:
-        """An attention module of the model whose calls stay unchecked: named once, in a warning and
-        the coverage (its sites are registered so the report and the store can name them)."""
-        if module not in self.uncovered_attention:
-            self.uncovered_attention[module] = reason
-            self._attention_sensor(module)
-            message = f"{module}: attention not checked — {reason}"
-            self._pending_events.append(("not_covered", message, self._site_id(f"{module}:attn_fwd")))
-            if warn:
-                self._warn_uncovered(message, reason)
-
-    def _warn_uncovered(self, message: str, reason: str) -> None:
-        """Warn of an unchecked module; a transform's calls reach every module at once: one warning."""
-        if reason == TRANSFORMED:
-            if self._warned_transformed:
-                return
-            self._warned_transformed = True
-            message += " (every module so called is named in guard.coverage_report())"
-        warnings.warn(f"aegis-sdc: {message}", stacklevel=5)
 
     def _attention_sensor(self, module: str) -> AttentionSensor:
         """The sensor of an attention module, made at its first checked call (sites in call order)."""
@@ -664,10 +583,6 @@ class Guard:
     def coverage_report(self) -> CoverageReport:
         """What is protected, the matmul FLOPs of the last recorded step and their checked share, and
         what is not covered and why (runtime/coverage.py)."""
-        protected: Counter[str] = Counter()
-        standing = [*self._swaps, *(s for s in self._matrix_swaps if s.in_place)]  # (a matrix module released)
-        for checked in {id(swap.checked): swap.original for swap in standing}.values():
-            protected[type(checked).__name__] += 1
         calls = self.planner.last_calls or [0] * self.plan.linears
         gemm = sum(calls[s.site.id // GEMMS_PER_LINEAR] * s.flops for s in self.sensors)
         step = self.runtime.last_recorded_step
@@ -677,17 +592,11 @@ class Guard:
             attention += made * sensor.call_flops
             checked_attention += checked * sensor.call_flops
         checked = self.runtime.last_checked_gemm_flops + checked_attention
-        return CoverageReport(dict(protected), gemm, attention, checked, self._coverage()["not_covered"])
+        return CoverageReport(self.protection.counts(), gemm, attention, checked, self._coverage()["not_covered"])
 
     def _coverage(self) -> dict[str, Any]:
         coverage = self.fingerprints.coverage()
-        coverage["not_covered"].update(self.unprotected_modules)
-        for module, reason in self.uncovered_linears.items():
-            for kind in GemmKind:
-                coverage["not_covered"][f"{module}:{kind.value}"] = reason
-        for module, reason in self.uncovered_attention.items():
-            for kind in AttentionKind:
-                coverage["not_covered"][f"{module}:{kind.value}"] = reason
+        coverage["not_covered"].update(self.uncovered.not_covered())
         if self.peer_replay is not None and self.peer_replay.not_covered:
             coverage["not_covered"][f"model:{StateKind.PEER_REPLAY.value}"] = self.peer_replay.not_covered
         if self.update_replay is not None and self.update_replay.uncovered:
@@ -712,8 +621,7 @@ class Guard:
                 checker.uninstall()
             if self._router is not None:
                 self._router.uninstall()
-            restore_linears(self._swaps)
-            restore_matrix_modules(self._matrix_swaps)
+            self.protection.restore()
             if self.dist is not None:
                 self.dist.close()
             self._decide_certificates(final=True)
@@ -734,10 +642,8 @@ class Guard:
                 checker.uninstall()
             if getattr(self, "_router", None) is not None:
                 self._router.uninstall()
-            if hasattr(self, "_swaps"):
-                restore_linears(self._swaps)
-            if hasattr(self, "_matrix_swaps"):
-                restore_matrix_modules(self._matrix_swaps)
+            if hasattr(self, "protection"):
+                self.protection.restore()
             if getattr(self, "dist", None) is not None:
                 self.dist.close()
             if hasattr(self, "step_recorder"):

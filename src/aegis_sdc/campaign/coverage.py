@@ -69,7 +69,7 @@ def coverage_report(guard) -> dict[str, Claim]:
         size = f"|δ| > {GEMM_MARGIN:g} × the row threshold, in the row's checksum unit"
         claims[location] = Claim(location, "GEMM row checksum + replay", p, size, p > 0)
     for location in ATTENTION_STAGES:
-        checked = bool(guard.attention_sensors) and not guard.uncovered_attention
+        checked = bool(guard.attention_sensors) and not guard.uncovered.attention
         claims[location] = Claim(location, "attention invariants + replay" if checked else "", p if checked else 0.0,
                                  "measured, not claimed: no size bound derived for the invariants", False)  # fmt: skip
     claims["saved"] = Claim("saved", "saved-tensor fingerprints", saved, "any change of a saved tensor's words",

@@ -100,7 +100,7 @@ def targets_of(model: nn.Module, guard) -> Targets:
     named when first seen)."""
     gemm = {loc: tuple(s.site.name for s in guard.registry.gemm if s.site.name.endswith(f":{kind}"))
             for loc, kind in GEMM_LOCATIONS.items()}  # fmt: skip
-    checked = [m for m in guard.attention_sensors if m not in guard.uncovered_attention]  # (unchecked: no fault)
+    checked = [m for m in guard.attention_sensors if m not in guard.uncovered.attention]  # (unchecked: no fault)
     attention = {loc: tuple(f"{m}:{loc.replace('attention', 'attn')}" for m in checked) for loc in ATTENTION_STAGES}
     extra = [s.name for s in guard.registry.extra]
     modules = dict(model.named_modules())

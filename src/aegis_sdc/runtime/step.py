@@ -118,7 +118,7 @@ class StepRuntime:
             g.sensor_clock.end(span)
         records = list(g.recorder)
         g.recorder.clear()
-        for swap in g._swaps:  # compiled forwards whose backward never came (see ops/linear_op.py)
+        for swap in g.protection.linear_swaps:  # compiled forwards whose backward never came (see ops/linear_op.py)
             swap.checked.aegis_hooks.pending.clear()
         comm_records = g.comm_checks.take()
         attention, g.attention_records[:] = list(g.attention_records), []
@@ -449,7 +449,7 @@ class StepRuntime:
             self.last_checked_gemm_flops, self.last_recorded_step = flops.checked, report.step
             if not self.coverage_logged:  # once, after the first step that ran: the report with its FLOPs
                 self.coverage_logged = True
-                g.name_uncalled_matrices()
+                g.protection.name_uncalled()
                 log.info("aegis-sdc coverage:\n%s", g.coverage_report().describe())
 
     def respond(self, report: StepReport) -> None:
