@@ -303,9 +303,10 @@ class MatrixUses:
                 self.derived[t] = frozenset(sources)
             return
         if sources:  # a matrix meets the call's data here
-            if getattr(func, "__name__", "") in CONTRACTIONS:
+            name = getattr(func, "__name__", "").split(".")[0]  # (an aten overload: "mm.default")
+            if name in CONTRACTIONS:
                 for pname in sources:
-                    self.contracted.setdefault(pname, f"torch.{func.__name__.strip('_')}")
+                    self.contracted.setdefault(pname, f"torch.{name.strip('_')}")
             else:
                 self.elementwise |= sources
         if mixed:  # the data carried on (also where it no longer requires grad)
