@@ -176,17 +176,21 @@ def test_a_matrix_multiplied_by_matmul_is_checked_as_the_linear_of_its_transpose
 
 class DerivedWeights(torch.nn.Module):
     """Matrices multiplied after a derivation the checked ops do not take — a scaled copy by F.linear,
-    a low-rank product by bmm — one used elementwise after exp (Mamba's A_log), one never used."""
+    one scaled by a learned vector, a low-rank product by bmm — one used elementwise after exp
+    (Mamba's A_log), one never used."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scaled = torch.nn.Parameter(torch.randn(16, 16) / 4)
+        self.gained = torch.nn.Parameter(torch.randn(16, 16) / 4)
+        self.gain = torch.nn.Parameter(torch.ones(16))
         self.low = torch.nn.Parameter(torch.randn(4, 16) / 4)
         self.a_log = torch.nn.Parameter(torch.randn(8, 16))
         self.spare = torch.nn.Parameter(torch.randn(16, 16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, 8, 16]
         x = torch.nn.functional.linear(x, self.scaled.float() * 0.5)
+        x = torch.nn.functional.linear(x, self.gained * self.gain[:, None])
         lr = self.low.t().unsqueeze(0).expand(x.shape[0], -1, -1)  # [B, 16, 4]
         x = torch.bmm(torch.bmm(x, lr), lr.transpose(1, 2))
         return x * torch.exp(-self.a_log.exp())
@@ -202,16 +206,16 @@ def test_a_matrix_no_checked_op_multiplies_by_is_named_with_what_multiplied_it_a
     with pytest.warns(UserWarning) as caught:
         model(torch.randn(2, 8, 16)).sum().backward()
     named = sorted(str(w.message).split(": ")[1] for w in caught if "not checked" in str(w.message))
-    assert named == ["1.w", "2.low", "2.scaled", "2.spare"]  # not the table or a_log: used elementwise only
+    assert named == ["1.w", "2.gained", "2.low", "2.scaled", "2.spare"]  # not the table, a_log: elementwise only
     # none of their matrices checked: the model runs their own classes from the next call on
     assert [type(m).__name__ for m in model] == ["PositionTable", "Einsum", "DerivedWeights", "CheckedLinear"]
     model(torch.randn(2, 8, 16)).sum().backward()
     report = guard.coverage_report()
     summary = guard.close()
     named = {name: reason for name, reason in report.not_covered.items() if name[0].isdigit()}
-    assert set(named) == {"1.w", "2.low", "2.scaled", "2.spare"}
+    assert set(named) == {"1.w", "2.gained", "2.low", "2.scaled", "2.spare"}
     assert "multiplied by torch.einsum" in named["1.w"] and "multiplied by torch.bmm" in named["2.low"]
-    assert "multiplied by torch.linear" in named["2.scaled"]
+    assert "multiplied by torch.linear" in named["2.scaled"] and "multiplied by torch.linear" in named["2.gained"]
     assert "no op of the module's first call multiplied its input by it" in named["2.spare"]
     assert report.protected == {"Linear": 2}  # the position table's Linear and the head
     assert summary.confirmed == 0

@@ -275,30 +275,36 @@ class MatrixUses:
     contraction, `elementwise` by any other op."""
 
     def __init__(self) -> None:
-        self.derived = WeakIdKeyDictionary()  # tensor → the matrices it was derived from alone
+        self.derived = WeakIdKeyDictionary()  # tensor of the weights' side → the matrices it derives from
         self.data = WeakIdKeyDictionary()  # tensor → True: the call's data
         self.contracted: dict[str, str] = {}  # matrix → the first contraction that multiplied it
         self.elementwise: set[str] = set()
 
     @classmethod
     def following(cls, module: nn.Module, inputs: tuple) -> MatrixUses:
-        """The uses of `module`'s matrices, to follow through a call on `inputs`."""
+        """The uses of `module`'s matrices, to follow through a call on `inputs`. The module's other
+        parameters and buffers are on the weights' side too (no matrix of their own): a matrix scaled
+        by a learned vector is still a weight."""
         uses = cls()
-        for pname, _ in module.aegis_matrix.matrices:
-            uses.derived[module._parameters[pname]] = frozenset({pname})
+        matrices = {pname for pname, _ in module.aegis_matrix.matrices}
+        for pname, p in module.named_parameters(recurse=False):
+            uses.derived[p] = frozenset({pname} & matrices)
+        for b in module.buffers(recurse=False):
+            uses.derived[b] = frozenset()
         for t in _tensors(inputs):
             uses.data[t] = True
         return uses
 
     def record(self, func, args: tuple, kwargs: dict, out: object) -> None:
-        sources, mixed = set(), False
+        sources, weights, mixed = set(), False, False
         for t in _tensors((args, kwargs)):
             if t in self.derived:
                 sources |= self.derived[t]
+                weights = True
             elif t in self.data or t.requires_grad:
                 mixed = True
         outputs = _tensors(out)
-        if sources and not mixed:  # still the matrices alone: a view, a cast, exp(A_log)
+        if weights and not mixed:  # still the weights alone: a view, a cast, exp(A_log), w·g
             for t in outputs:
                 self.derived[t] = frozenset(sources)
             return
