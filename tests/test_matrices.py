@@ -388,3 +388,34 @@ def test_a_matrix_whose_module_never_ran_in_the_first_step_is_named_until_it_is_
     assert "bypassed.w" in report.not_covered and "late.w" not in report.not_covered  # checked from step 1
     assert [(i.step, i.site.name) for i in guard.incidents] == [(3, "late.w:fwd")]
     assert summary.false_alarms == 0
+
+
+def test_experts_under_lora_on_their_parameters_are_named_and_train_as_unprotected(tmp_path):
+    # PEFT's LoRA on parameters (target_parameters: a MoE layer's expert tensors) registers W + B·A as
+    # a parametrization of the experts module at each call and removes it after, changing the
+    # module's class both times: a swapped module broke that (AttributeError in PEFT's removal). Such
+    # modules are not swapped and are named with the reason; the LoRA'd attention projections (a
+    # Linear base layer and its adapters) are checked, and a fault in one confirmed.
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    model, reference = (peft.get_peft_model(moe_model("qwen2_moe"), lora) for _ in range(2))
+    reference.load_state_dict(model.state_dict())
+    site = "base_model.model.model.layers.1.self_attn.q_proj.base_layer:fwd"
+    spec = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(2,))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(spec,)))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(
+        model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6
+    )  # fmt: skip  (fp32 sums of ≤ 128 terms, another order)
+    for step_ids in batches(3):
+        model(input_ids=step_ids, labels=step_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    report = guard.coverage_report()
+    guard.close()
+    experts = {f"base_model.model.model.layers.{i}.mlp.experts.base_layer.base_layer" for i in range(2)}
+    assert experts <= set(report.not_covered)
+    assert all("LoRA on its parameters" in report.not_covered[name] for name in experts)
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(2, site)]

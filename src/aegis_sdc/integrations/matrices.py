@@ -58,6 +58,7 @@ from aegis_sdc.integrations.modules import (
 )
 from aegis_sdc.ops import linear_op
 from aegis_sdc.ops.checked_linear import LinearHooks
+from aegis_sdc.runtime.coverage import parameter_wrapped
 
 # Modules whose matrices other code handles or names: the Linear swap, attention routing, lookups,
 # recurrent layers (torch's fused RNN kernels: named at protect(), runtime/coverage.py); and a
@@ -105,8 +106,12 @@ def select_matrix_modules(
     """The modules with matrix parameters of their own to protect, in module order (identical on
     every rank); GuardConfig.include/exclude select them by name as they select Linears."""
     chosen = []
-    for name, module in module_names(model):
+    modules = list(module_names(model))
+    wrapped = parameter_wrapped(modules)  # LoRA on its parameters: named by runtime/coverage.py
+    for name, module in modules:
         if not name or isinstance(module, OWN_HANDLING) or checked_class(module) is not None or is_protected(module):
+            continue
+        if id(module) in wrapped:
             continue
         if type(module).__name__ == "Conv1D" or not matrix_parameters(module):
             continue  # (a Conv1D left out by include/exclude is named as such: runtime/coverage.py)

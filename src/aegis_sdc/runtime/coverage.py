@@ -6,8 +6,9 @@ other module that does matmul work named with the reason (`unprotected_modules`)
 `nn.Linear` (quantized, LoRA: other semantics), a subclass of `nn.MultiheadAttention` with a forward
 of its own, `nn.Bilinear`, convolutions, recurrent layers, a Linear or attention module left out by
 `include`/`exclude`/`filter`, and a module holding matrix parameters of its own that `include`/
-`exclude` left out (the others are protected, integrations/matrices.py, which names a matrix no
-checked op multiplied by after the module's first call). After a step has run, the FLOPs are known from the
+`exclude` left out or whose parameters PEFT's LoRA wraps (the others are protected,
+integrations/matrices.py, which names a matrix no checked op multiplied by after the module's first
+call). After a step has run, the FLOPs are known from the
 calls themselves: per step, each GEMM site's 2·M·N·K times its calls and each attention module's
 FLOPs (forward and backward); the checked share is what the step's sampling actually checked, of
 the protected modules' FLOPs (the unprotected modules' are not known: the report says how many
@@ -52,11 +53,28 @@ class CoverageReport:
         return "\n".join(lines)
 
 
+def parameter_wrapped(modules: Iterable[tuple[str, nn.Module]]) -> set[int]:
+    """Ids of the modules whose parameters PEFT's LoRA wraps (`LoraConfig(target_parameters=...)`, a
+    MoE layer's expert tensors): its `ParamWrapper` registers W + B·A as a parametrization of the
+    module for each call and removes it after, changing the module's class both times — a module
+    swapped for a checked one would break that, and the weight its kernels multiply by is no
+    parameter of its own then."""
+    wrapped = set()
+    for _, module in modules:
+        base = module
+        while type(base).__name__ == "ParamWrapper" and isinstance(getattr(base, "base_layer", None), nn.Module):
+            base = base.base_layer
+        if base is not module:
+            wrapped.add(id(base))
+    return wrapped
+
+
 def unprotected_modules(modules: Iterable[tuple[str, nn.Module]], protected: set[int]) -> dict[str, str]:
     """The modules (a model's (name, module) pairs) that do matmul work and are not among `protected`
     (ids), with why."""
     modules = list(modules)
     found: dict[str, str] = {}
+    wrapped = parameter_wrapped(modules)
     # an attention module's out_proj is multiplied by inside it, its own forward never runs: named
     # with the attention module, not as a Linear of its own
     inside = {id(m.out_proj) for _, m in modules if isinstance(m, nn.MultiheadAttention)}
@@ -89,6 +107,9 @@ def unprotected_modules(modules: Iterable[tuple[str, nn.Module]], protected: set
             continue  # a lookup, not a matmul (a tied output head is an nn.Linear of its own)
         elif isinstance(module, parametrize.ParametrizationList):
             continue  # the inputs of a parametrized weight: its owner module is what multiplies
+        elif id(module) in wrapped and (matrices := _matrix_parameters(module)):
+            reason = (f"{kind} with LoRA on its parameters ({matrices}; peft's target_parameters): W + B·A is "
+                      "computed at each call and multiplied by the module's own kernels (not checked)")  # fmt: skip
         elif matrices := _matrix_parameters(module):
             # a module with matrices of its own (MoE experts and routers) that GuardConfig.include/
             # exclude left out, or the root model's own (integrations/matrices.py protects the others)
