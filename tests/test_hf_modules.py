@@ -230,3 +230,46 @@ def test_mambas_projections_are_checked_and_its_state_matrix_is_not_named_as_a_m
     assert report.protected == {"Linear": 9}  # in_proj, x_proj, dt_proj, out_proj per layer; lm_head
     assert [(i.step, i.site.name) for i in guard.incidents] == [(2, site)]
     assert summary.false_alarms == 0
+
+
+@pytest.mark.parametrize("method", ["lora", "dora", "ia3", "vera", "loha", "oft"])
+def test_peft_adapters_are_checked_or_named_with_their_layer(tmp_path, method):
+    # LoRA's factors are nn.Linear modules (checked; DoRA's magnitude is a vector), IA³ scales
+    # elementwise: nothing to name. VeRA's frozen random matrices, LoHa's Hadamard factors and OFT's
+    # rotations are multiplied outside nn.Linear: named — the tuner layer with its adapter matrices,
+    # OFT's rotation module by the einsum that multiplies it (integrations/matrices.py).
+    peft = pytest.importorskip("peft")
+    targets = ["q_proj", "v_proj"]
+    config = {
+        "lora": lambda: peft.LoraConfig(r=4, target_modules=targets),
+        "dora": lambda: peft.LoraConfig(r=4, target_modules=targets, use_dora=True),
+        "ia3": lambda: peft.IA3Config(target_modules=targets, feedforward_modules=[]),
+        "vera": lambda: peft.VeraConfig(r=4, target_modules=targets),
+        "loha": lambda: peft.LoHaConfig(r=4, target_modules=targets),
+        "oft": lambda: peft.OFTConfig(r=0, oft_block_size=16, target_modules=targets),
+    }[method]()
+    torch.manual_seed(0)
+    llama = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(llama), config)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    site = "base_model.model.model.layers.1.mlp.down_proj:dgrad"  # no adapter there: a plain Linear
+    spec = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(2,))
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=(spec,)))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 16), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    named = guard.coverage_report().not_covered
+    summary = guard.close()
+    layers = {f"base_model.model.model.layers.{i}.self_attn.{t}" for i in range(2) for t in targets}
+    if method in ("lora", "dora", "ia3"):
+        assert named == {}
+    elif method == "oft":
+        assert set(named) == {f"{layer}.oft_R.default.weight" for layer in layers}
+        assert all("multiplied by torch.einsum" in reason for reason in named.values())
+    else:
+        assert set(named) == layers and all("PEFT adapter layer" in reason for reason in named.values())
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(2, site)] and summary.false_alarms == 0

@@ -149,9 +149,11 @@ class _LinearsOf(TorchFunctionMode):
         kwargs = kwargs or {}
         out = self._checked(func, args, kwargs)
         if out is NotImplemented:
+            if self.uses is None:
+                return func(*args, **kwargs)
+            inputs = self.uses.inputs(args, kwargs)  # before the op: an in-place one changes them
             out = func(*args, **kwargs)
-            if self.uses is not None:
-                self.uses.record(func, args, kwargs, out)
+            self.uses.record(func, inputs, args, out)
         return out
 
     def _checked(self, func, args: tuple, kwargs: dict):
@@ -300,7 +302,9 @@ class MatrixUses:
             uses.data[t] = True
         return uses
 
-    def record(self, func, args: tuple, kwargs: dict, out: object) -> None:
+    def inputs(self, args: tuple, kwargs: dict) -> tuple[set[str], bool, bool]:
+        """An op's inputs: (the matrices they derive from, whether any is on the weights' side,
+        whether any is the call's data)."""
         sources, weights, mixed = set(), False, False
         for t in _tensors((args, kwargs)):
             if t in self.derived:
@@ -308,7 +312,14 @@ class MatrixUses:
                 weights = True
             elif t in self.data or t.requires_grad:
                 mixed = True
+        return sources, weights, mixed
+
+    def record(self, func, inputs: tuple[set[str], bool, bool], args: tuple, out: object) -> None:
+        """An op's result, given its `inputs` (taken before it ran)."""
+        sources, weights, mixed = inputs
         outputs = _tensors(out)
+        if _in_place(func) and args and isinstance(args[0], torch.Tensor):
+            outputs.append(args[0])  # what it wrote into: `skew[:, i, j] = w` makes `skew` the weights'
         if weights and not mixed:  # still the weights alone: a view, a cast, exp(A_log), w·g
             for t in outputs:
                 self.derived[t] = frozenset(sources)
@@ -323,6 +334,16 @@ class MatrixUses:
         if mixed:  # the data carried on (also where it no longer requires grad)
             for t in outputs:
                 self.data[t] = True
+
+
+def _in_place(func: object) -> bool:
+    """An op that writes into its first argument: `add_`, `x[i] = v`, `x += v`."""
+    name = getattr(func, "__name__", "")
+    return (
+        name == "__setitem__"
+        or (name.startswith("__i") and name.endswith("__"))
+        or (name.endswith("_") and not name.startswith("_"))
+    )
 
 
 def _tensors(value: object) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -75,15 +76,21 @@ def unprotected_modules(modules: Iterable[tuple[str, nn.Module]], protected: set
     modules = list(modules)
     found: dict[str, str] = {}
     wrapped = parameter_wrapped(modules)
+    adapters = {id(m): _adapter_matrices(m) for _, m in modules if _is_peft_tuner_layer(m)}
+    # a tuner layer's adapter dictionaries are named with the layer, not one by one
+    in_adapters = {id(d) for _, m in modules if id(m) in adapters for d in _adapter_dicts(m)}
     # an attention module's out_proj is multiplied by inside it, its own forward never runs: named
     # with the attention module, not as a Linear of its own
     inside = {id(m.out_proj) for _, m in modules if isinstance(m, nn.MultiheadAttention)}
     for name, module in modules:
-        if id(module) in protected or id(module) in inside:
+        if id(module) in protected or id(module) in inside or id(module) in in_adapters:
             continue
         label = name or "<root>"
         kind = type(module).__name__
-        if isinstance(module, nn.Linear):
+        if adapters.get(id(module)):
+            reason = (f"{kind}, a PEFT adapter layer whose adapter multiplies by matrices outside nn.Linear "
+                      f"({adapters[id(module)]}): not checked (its base layer is)")  # fmt: skip
+        elif isinstance(module, nn.Linear):
             reason = (
                 "an nn.Linear left out by GuardConfig.include/exclude or the filter"
                 if type(module) is nn.Linear
@@ -118,6 +125,39 @@ def unprotected_modules(modules: Iterable[tuple[str, nn.Module]], protected: set
             continue
         found[label] = reason
     return found
+
+
+def _is_peft_tuner_layer(module: nn.Module) -> bool:
+    """A PEFT tuner layer (LoRA, VeRA, LoHa, OFT, ...): a base layer and its adapters' tensors."""
+    return type(module).__module__.startswith("peft.") and isinstance(getattr(module, "adapter_layer_names", None),
+                                                                       tuple)  # fmt: skip
+
+
+def _adapter_dicts(module: nn.Module) -> list[nn.Module]:
+    """A tuner layer's dictionaries of adapter tensors (ParameterDict, BufferDict), each adapter's by
+    name; its dictionaries of modules (LoRA's nn.Linear factors) are protected or named on their own."""
+    names = (*module.adapter_layer_names, *getattr(module, "other_param_names", ()))
+    found = []
+    for attr in dict.fromkeys(names):
+        value = getattr(module, attr, None)
+        if isinstance(value, nn.Module) and not isinstance(value, nn.ModuleDict) and hasattr(value, "items"):
+            found.append(value)
+    return found
+
+
+def _adapter_matrices(module: nn.Module) -> str:
+    """The matrices of a tuner layer's adapters (two or more dimensions above 1: not IA³'s scales
+    [out, 1]), as 'attribute[adapter] [shape]'."""
+    names = (*module.adapter_layer_names, *getattr(module, "other_param_names", ()))
+    shown = []
+    for attr in dict.fromkeys(names):
+        value = getattr(module, attr, None)
+        if not (isinstance(value, nn.Module) and not isinstance(value, nn.ModuleDict) and hasattr(value, "items")):
+            continue
+        for adapter, tensor in value.items():
+            if isinstance(tensor, torch.Tensor) and sum(size > 1 for size in tensor.shape) >= 2:
+                shown.append(f"{attr}[{adapter}] {list(tensor.shape)}")
+    return ", ".join(shown)
 
 
 def _matrix_parameters(module: nn.Module) -> str:
