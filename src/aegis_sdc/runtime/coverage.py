@@ -78,7 +78,7 @@ def unprotected_modules(modules: Iterable[tuple[str, nn.Module]], protected: set
     wrapped = parameter_wrapped(modules)
     adapters = {id(m): _adapter_matrices(m) for _, m in modules if _is_peft_tuner_layer(m)}
     # a tuner layer's adapter dictionaries are named with the layer, not one by one
-    in_adapters = {id(d) for _, m in modules if id(m) in adapters for d in _adapter_dicts(m)}
+    in_adapters = {id(d) for _, m in modules if id(m) in adapters for _, d in _adapter_dicts(m)}
     # an attention module's out_proj is multiplied by inside it, its own forward never runs: named
     # with the attention module, not as a Linear of its own
     inside = {id(m.out_proj) for _, m in modules if isinstance(m, nn.MultiheadAttention)}
@@ -133,31 +133,28 @@ def _is_peft_tuner_layer(module: nn.Module) -> bool:
                                                                        tuple)  # fmt: skip
 
 
-def _adapter_dicts(module: nn.Module) -> list[nn.Module]:
+def _adapter_dicts(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """A tuner layer's dictionaries of adapter tensors (ParameterDict, BufferDict), each adapter's by
-    name; its dictionaries of modules (LoRA's nn.Linear factors) are protected or named on their own."""
+    name, with their attributes; its dictionaries of modules (LoRA's nn.Linear factors) are
+    protected or named on their own."""
     names = (*module.adapter_layer_names, *getattr(module, "other_param_names", ()))
     found = []
     for attr in dict.fromkeys(names):
         value = getattr(module, attr, None)
         if isinstance(value, nn.Module) and not isinstance(value, nn.ModuleDict) and hasattr(value, "items"):
-            found.append(value)
+            found.append((attr, value))
     return found
 
 
 def _adapter_matrices(module: nn.Module) -> str:
     """The matrices of a tuner layer's adapters (two or more dimensions above 1: not IA³'s scales
     [out, 1]), as 'attribute[adapter] [shape]'."""
-    names = (*module.adapter_layer_names, *getattr(module, "other_param_names", ()))
-    shown = []
-    for attr in dict.fromkeys(names):
-        value = getattr(module, attr, None)
-        if not (isinstance(value, nn.Module) and not isinstance(value, nn.ModuleDict) and hasattr(value, "items")):
-            continue
-        for adapter, tensor in value.items():
-            if isinstance(tensor, torch.Tensor) and sum(size > 1 for size in tensor.shape) >= 2:
-                shown.append(f"{attr}[{adapter}] {list(tensor.shape)}")
-    return ", ".join(shown)
+    return ", ".join(
+        f"{attr}[{adapter}] {list(tensor.shape)}"
+        for attr, tensors in _adapter_dicts(module)
+        for adapter, tensor in tensors.items()
+        if isinstance(tensor, torch.Tensor) and sum(size > 1 for size in tensor.shape) >= 2
+    )
 
 
 def _matrix_parameters(module: nn.Module) -> str:
