@@ -5,7 +5,8 @@ Two parts. At `protect()` the model's modules are read: the protected ones count
 other module that does matmul work named with the reason (`unprotected_modules`) — a subclass of
 `nn.Linear` (quantized, LoRA: other semantics), a subclass of `nn.MultiheadAttention` with a forward
 of its own, `nn.Bilinear`, convolutions, recurrent layers, a Linear or attention module left out by
-`include`/`exclude`/`filter`, and a module holding matrix parameters of its own that `include`/
+`include`/`exclude`/`filter`, a PEFT adapter layer whose adapters multiply by matrices outside
+nn.Linear (VeRA, LoHa, LoKr, AdaLoRA, BOFT), and a module holding matrix parameters of its own that `include`/
 `exclude` left out or whose parameters PEFT's LoRA wraps (the others are protected,
 integrations/matrices.py, which names a matrix no checked op multiplied by after the module's first
 call). After a step has run, the FLOPs are known from the
