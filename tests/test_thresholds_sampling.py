@@ -16,6 +16,15 @@ def test_calibration_sets_the_base_from_the_median_of_clean_values():
     assert state.base == state.current == 44.0
 
 
+def test_exactly_zero_differences_are_no_calibration_samples():
+    # LoRA's B starts at zero: A's wgrad and B's forward are all-zero products whose two sides agree
+    # exactly — not rounding noise. Counted, the zeros would have set the median at 2.0.
+    state = ThresholdState(ThresholdConfig(calibration_checks=5, margin=4.0), hard_bound=1e6)
+    for value in (0.0, 0.0, 2.0, 4.4, 3.0):
+        state.observe_clean(value)
+    assert state.base == 4.0 * 3.0  # the median of (2.0, 4.4, 3.0)
+
+
 def test_false_alarms_double_and_clean_windows_halve_back_to_the_base():
     cfg = ThresholdConfig(calibration_checks=1, margin=2.0, relax_window=3)
     state = ThresholdState(cfg, hard_bound=1e6)

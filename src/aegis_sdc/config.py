@@ -93,7 +93,8 @@ class ChecksumConfig:
 class ThresholdConfig:
     """Per-site adaptive thresholds on the normalized checksum difference (units of u·s, u = 2⁻²⁴).
 
-    - `calibration_checks`: the first clean checks of a site set its base threshold. 16 is enough:
+    - `calibration_checks`: the first clean checks of a site set its base threshold (from the median
+      of their nonzero values: an exactly zero difference is an all-zero product, not noise). 16 is enough:
       the statistic is already a maximum over thousands of rows, so its spread between calls is
       narrow; during calibration the exact worst-case rounding bound acts as the threshold.
     - `margin`: base = margin × median(calibration). The median is robust to a fault during

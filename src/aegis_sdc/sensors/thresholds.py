@@ -5,7 +5,8 @@ Life of a threshold:
 1. Calibration: the first `calibration_checks` clean values of the site are collected. Meanwhile the
    threshold is the exact worst-case rounding bound of the GEMM (`worst_case_bound`), so a gross
    fault is still caught, and a value above it is never taken as a calibration sample.
-2. base = max(floor, margin × median(calibration)); current = base.
+2. base = max(floor, margin × median(calibration's nonzero values)); current = base (an exactly zero
+   difference comes from an all-zero product or exact arithmetic, not from rounding).
 3. A false alarm (the replay reproduced everything bit for bit) multiplies current by `backoff`.
 4. After `relax_window` consecutive clean checks, current halves back toward base (`relaxations`
    counts these steps back).
@@ -56,7 +57,12 @@ class ThresholdState:
         if self.base is None:
             self.samples.append(value)
             if len(self.samples) >= self.config.calibration_checks:
-                median = statistics.median(self.samples)
+                # An exactly zero difference is no sample of the rounding noise: an all-zero product
+                # (LoRA's B at its zero init: A's wgrad, B's forward) or exact arithmetic. Counted,
+                # such calls would set the median under the noise of the site's other calls; a site
+                # of nothing but zeros calibrates to the floor.
+                noise = [v for v in self.samples if v != 0.0]
+                median = statistics.median(noise) if noise else 0.0
                 self.base = min(self.hard_bound, max(self.config.floor, self.config.margin * median))
                 self.current = self.base
             return
