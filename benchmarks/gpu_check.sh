@@ -21,6 +21,8 @@
 #                          tests (no host sync per call), and the HF step unprotected / 1% budget / full
 #   tests-1       the GPU-marked tests of models and the hot path (attention routing, the clean-run matrix,
 #                 fingerprints, hot path): about 6 minutes
+#   quick         for a call of under 4 minutes (a session with little device time left): the GPU-marked
+#                 tests of the module swaps, the hot path and the Triton Linear, stopped at 170 s
 #   tests-2       the GPU-marked tests of the kernels (GEMM, Linear, attention; about 4 minutes), then the
 #                 GEMM's small-shape tests on CUDA
 #   gluon-probe   a ping-pong warp-specialized GEMM in Gluon: three tiles; the row check's partials, then its side too
@@ -129,6 +131,9 @@ case "${1:-tests-1}" in
     timeout 570 python -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=10 \
       --ignore=tests/test_triton_gemm.py --ignore=tests/test_triton_linear.py --ignore=tests/test_triton_attention.py \
       2>&1 | tee "$out/gpu_tests_1.log" | tail -40 ;;
+  quick)
+    timeout 170 python -m pytest -q -m gpu tests/test_matrices.py tests/test_torch_modules.py tests/test_hot_path.py \
+      tests/test_triton_linear.py -p no:cacheprovider --durations=8 2>&1 | tee "$out/gpu_quick.log" | tail -30 ;;
   tests-2)
     timeout 400 python -m pytest -q -m gpu tests/test_triton_gemm.py tests/test_triton_linear.py \
       tests/test_triton_attention.py -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu_tests_2.log" | tail -40
