@@ -273,3 +273,46 @@ def test_peft_adapters_are_checked_or_named_with_their_layer(tmp_path, method):
     else:
         assert set(named) == layers and all("PEFT adapter layer" in reason for reason in named.values())
     assert [(i.step, i.site.name) for i in guard.incidents] == [(2, site)] and summary.false_alarms == 0
+
+
+@pytest.mark.parametrize("change", ["resize_untied", "resize_tied", "peft_after_protect"])
+def test_modules_a_model_gains_after_protect_are_named_and_the_rest_stays_checked(tmp_path, change):
+    # resize_token_embeddings puts a new nn.Linear where an untied lm_head stood (a tied one keeps its
+    # module and takes the embedding's weight); get_peft_model after protect() wraps the checked
+    # Linears, its LoRA factors new Linears. What is new runs unchecked: named, with one warning.
+    torch.manual_seed(0)
+    tied = change == "resize_tied"
+    llama = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128, tie_word_embeddings=tied)  # fmt: skip
+    model = transformers.LlamaForCausalLM(llama)
+    site = "model.layers.1.mlp.down_proj:fwd"
+    spec = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(2,))
+    guard = aegis.protect(model, config=guard_config(tmp_path, faults=(spec,)))
+    if change == "peft_after_protect":
+        peft = pytest.importorskip("peft")
+        with pytest.warns(UserWarning, match=r"lora_A.default: Linear put into the model after protect\(\)"):
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    elif change == "resize_untied":
+        with pytest.warns(UserWarning, match=r"lm_head: Linear put into the model after protect\(\)"):
+            model.resize_token_embeddings(160)
+    else:
+        model.resize_token_embeddings(160)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    guard.attach_optimizer(optimizer)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 160 if change.startswith("resize") else 128, (2, 16), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    report = guard.coverage_report()
+    summary = guard.close()
+    assert [(i.step, i.site.name) for i in guard.incidents] == [(2, site)] and summary.false_alarms == 0
+    if change == "resize_untied":
+        assert list(report.not_covered) == ["lm_head"] and report.protected == {"Linear": 14}
+    elif change == "resize_tied":  # the checked head multiplies by the resized, tied weight
+        assert report.not_covered == {} and report.protected == {"Linear": 15}
+        assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.shape[0] == 160
+    else:
+        factors = {f"model.layers.{i}.self_attn.q_proj.lora_{f}.default" for i in range(2) for f in "AB"}
+        assert set(report.not_covered) == factors

@@ -277,6 +277,45 @@ def test_a_recurrent_layer_is_named_at_protect_with_its_reason(tmp_path):
     assert list(report.not_covered) == ["rnn"]  # the module, not each of its matrices
 
 
+# Modules put into the model after protect() (integrations/protection.py: LateModules)
+
+
+def test_matmul_modules_put_into_the_model_after_protect_are_named_with_one_warning(tmp_path):
+    import sqlite3
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    with pytest.warns(UserWarning, match=r"2: Linear put into the model after protect\(\): not checked"):
+        model[2] = nn.Linear(32, 4)  # a new head where the checked one stood
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.add_module("extra", nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Conv1d(1, 1, 3)))
+        model[1] = nn.GELU()  # no matmul: nothing to name
+        model.extra[1] = nn.Linear(4, 4)  # inside a module put in late: seen too
+    assert not [w for w in caught if "aegis-sdc" in str(w.message)]  # one warning for the guard's life
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard.attach_optimizer(optimizer)
+    for _ in range(2):
+        model[:3](torch.randn(8, 16)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    report = guard.coverage_report()
+    summary = guard.close()
+    assert report.protected == {"Linear": 1}  # the first layer only: the replaced head is not counted
+    assert set(report.not_covered) == {"2", "extra.0", "extra.1", "extra.2"}
+    assert report.not_covered["extra.2"].startswith("Conv1d put into the model after protect()")
+    assert summary.checks == 2 * 2 and summary.confirmed == 0  # the first layer: fwd and wgrad (the data has no grad)
+    conn = sqlite3.connect(next((tmp_path / "run").glob("*.sqlite")))
+    assert conn.execute("SELECT COUNT(*) FROM events WHERE kind = 'not_covered'").fetchone()[0] == 4
+    with warnings.catch_warnings(record=True) as caught:  # a closed guard watches nothing
+        warnings.simplefilter("always")
+        model[0] = nn.Linear(16, 32)
+    assert not caught
+
+
 # torch.func transforms (integrations/modules.py: TRANSFORMED)
 
 
@@ -415,6 +454,7 @@ def test_sites_are_named_alike_whether_blocks_were_wrapped_before_or_after_prote
         names[order] = sorted(s.site.name for s in guard.sensors)
         assert [(i.step, i.site.name) for i in guard.incidents] == [(3, "1.a:fwd")], order
         assert summary.false_alarms == 0
+        assert summary.coverage["not_covered"] == {}  # a wrapper around the model's blocks puts in nothing new
     assert names["before"] == names["after"] and "1.a:fwd" in names["before"]
 
 
