@@ -99,9 +99,8 @@ class Uncovered:
         if fresh and not self._warned_late:
             self._warned_late = True
             name, reason = next(iter(fresh.items()))
-            warnings.warn(
-                f"aegis-sdc: {name}: {reason} (guard.coverage_report() names each such module)", stacklevel=4
-            )  # fmt: skip  (past the hook and Module.__setattr__: the assignment)
+            # stacklevel: past this method, the hook and Module.__setattr__, to the assignment
+            warnings.warn(f"aegis-sdc: {name}: {reason} (guard.coverage_report() names each such module)", stacklevel=4)
 
     def matrix_checked(self, name: str) -> None:
         """A matrix named as not checked was checked at a later first call of its module."""
@@ -218,7 +217,8 @@ class LateModules:
     modules among them are named through `name_found` at the assignment. A hook common to all
     modules (torch's module registration hook: every `parent.attr = child`, `add_module`, ModuleList
     and ModuleDict assignment) that looks the parent up among the model's modules — a dictionary
-    lookup, at assignments only; nothing on the training path."""
+    lookup, at assignments only; nothing on the training path. Writes into a container's `_modules`
+    that bypass `register_module` (`ModuleList.insert`) are not seen."""
 
     def __init__(self, model: nn.Module, ours: set[int], name_found: Callable[[dict[str, str]], None]) -> None:
         self._ours = ours  # ids of the checked modules and the user's modules they stand for
@@ -226,7 +226,7 @@ class LateModules:
         # the model's modules → their names; weak, so a module dropped from the model is forgotten
         # (and an id reused by a new object is never taken for it)
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-        for name, module in module_names(model):
+        for name, module in module_names(model):  # (torch's own named_modules needs modules hashable)
             self._names.setdefault(module, name)
         self._handle = register_module_module_registration_hook(self._assigned)
 
