@@ -434,6 +434,42 @@ def test_site_names_do_not_depend_on_compiling_before_protect(tmp_path):
     assert names[0] == names[1] and names[0][0] == "layers.0.attn.wq:fwd"
 
 
+@pytest.mark.parametrize("boundary", ["optimizer", "guard.step"])
+def test_fullgraph_compiles_a_protected_hugging_face_llama_and_names_its_attention(tmp_path, boundary):
+    # fullgraph=True refuses any graph break: the guard's forward watch once removed its own hook
+    # inside the traced forward ("unregistered RemovableHandle"). The attention the compiled graph
+    # runs as its own is named, once, at the step's end; the GEMMs stay checked.
+    transformers = pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    site = "model.layers.0.mlp.up_proj:fwd"
+    config = guard_config(tmp_path, faults=(aegis.FaultSpec(site=site, model="bitflip", bit=28, steps=(5,)),))
+    guard = aegis.protect(model, optimizer=optimizer if boundary == "optimizer" else None, config=config)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(1)
+    with pytest.warns(UserWarning, match="the attention of 2 modules .* traced by torch.compile") as caught:
+        for step in range(7):
+            ids = torch.randint(0, 128, (2, 16), generator=gen)
+            compiled(input_ids=ids, labels=ids).loss.backward()
+            if boundary == "guard.step":
+                guard.step()
+            optimizer.step()
+            optimizer.zero_grad()
+            torch._dynamo.config.error_on_recompile = step == 0  # the first step's graphs serve every step
+    torch._dynamo.config.error_on_recompile = False
+    summary = guard.close()
+    assert sum("traced by torch.compile" in str(w.message) for w in caught) == 1
+    assert [(i.site.name, i.step) for i in guard.incidents] == [(site, 5)] and summary.false_alarms == 0
+    assert summary.attention_checks == 0
+    named = summary.coverage["not_covered"]
+    assert {m for m in named if m.endswith(":attn_fwd")} == {f"model.layers.{i}.self_attn:attn_fwd" for i in range(2)}
+    assert all("traced by torch.compile" in named[f"model.layers.{i}.self_attn:attn_bwd"] for i in range(2))
+
+
 @pytest.mark.gpu
 def test_a_compiled_hugging_face_llama_keeps_its_graphs_and_confirms_a_fault(tmp_path):
     transformers = pytest.importorskip("transformers")

@@ -744,6 +744,10 @@ class Guard:
     def _count_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook of the model while no optimizer is attached: many forwards with gradients
         and still no step boundary mean every check is counted as the first step."""
+        if torch.compiler.is_compiling():
+            # traced into a compiled model's graph: counting (and removing a hook) there would break
+            # the graph, an error under fullgraph=True; checked calls piling up warn too (_after_call)
+            return
         if torch.is_grad_enabled() and self.optimizer is None and self.clock.step == self._start_step:
             self._forwards_at_start += 1
             if self._forwards_at_start >= NO_BOUNDARY_FORWARDS:

@@ -17,6 +17,7 @@ results).
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -96,11 +97,21 @@ def attention_outside_sdpa(model: nn.Module) -> tuple[str, list[str]]:
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if not isinstance(implementation, str) or implementation == "sdpa":
         return "", []
+    return implementation, attention_modules(model)
+
+
+def attention_modules(model: nn.Module) -> list[str]:
+    """The model's attention modules by name: the outermost of each nest of modules whose class name
+    ends in 'Attention' (Hugging Face's, this project's, most models')."""
     modules: list[str] = []
     for name, module in module_names(model):
         if type(module).__name__.endswith("Attention") and not any(name.startswith(f"{m}.") for m in modules):
             modules.append(name)
-    return implementation, modules
+    return modules
+
+
+COMPILED = ("traced by torch.compile: it runs as the compiled graph's own attention, not checked (the "
+            "checked attention is an eager-mode op; the compiled model's GEMMs are checked)")  # fmt: skip
 
 
 class AttentionRouter:
@@ -109,7 +120,10 @@ class AttentionRouter:
         self.names = {id(module): name for name, module in module_names(model)}
         self.sensor_for = sensor_for
         self.tracer = tracer
-        self.uncovered = uncovered or (lambda module, reason: None)
+        self.uncovered = uncovered or (lambda module, reason, warn=True: None)
+        self.attention_modules = attention_modules(model)  # named if their calls are compiled
+        self.compiled_calls = False  # set by calls traced into a compiled graph, each time the graph runs
+        self._compiled_named = False
         self.closed = False
         self._original: Any = None
         self._named_on_cuda: set[str] = set()  # modules named for CUDA; looked up until one repeats
@@ -125,6 +139,18 @@ class AttentionRouter:
         self.closed = True
         if self._original is not None and F.scaled_dot_product_attention == self.sdpa:
             F.scaled_dot_product_attention = _live(self._original)
+
+    def name_compiled_calls(self) -> None:
+        """At a step's end: if attention ran inside a compiled graph, the model's attention modules
+        are named not covered, once, with one warning (the graph's calls cannot say whose they are)."""
+        if not self.compiled_calls or self._compiled_named or self.closed:
+            return
+        self._compiled_named = True
+        modules = self.attention_modules or ["<attention under torch.compile>"]
+        for module in modules:
+            self.uncovered(module, COMPILED, False)
+        warnings.warn(f"aegis-sdc: the attention of {len(modules)} modules (e.g. {modules[0]}) is not checked — "
+                      f"{COMPILED}", stacklevel=2)  # fmt: skip
 
     def _caller(self) -> str | None:
         frame = sys._getframe(3)  # past this method, `_sdpa` and `sdpa`
@@ -152,6 +178,9 @@ class AttentionRouter:
     def _sdpa(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs):
         original = self._original
         if torch.compiler.is_compiling():  # the checked attention is an eager-mode op for now
+            # a store the compiled frame replays after its graph runs (no graph break, allowed under
+            # fullgraph=True): the step end names the attention modules (name_compiled_calls)
+            self.compiled_calls = True
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa, **kwargs)  # fmt: skip
 
