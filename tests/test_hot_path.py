@@ -470,6 +470,28 @@ def test_fullgraph_compiles_a_protected_hugging_face_llama_and_names_its_attenti
     assert all("traced by torch.compile" in named[f"model.layers.{i}.self_attn:attn_bwd"] for i in range(2))
 
 
+def test_the_fingerprint_checks_a_compiled_graph_runs_without_are_named(tmp_path):
+    # The recompute and saved-tensor fingerprints are eager-mode checks: inside a compiled graph the
+    # compiler recomputes and keeps the saved tensors. Named after the first step, one warning each.
+    import dataclasses
+
+    from tests.helpers import SMALL
+
+    torch._dynamo.reset()
+    model, data, optimizer = small_workload(cfg=dataclasses.replace(SMALL, activation_checkpointing=True))
+    config = guard_config(tmp_path, fingerprints=aegis.FingerprintConfig(saved_probability=1.0))
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(UserWarning, match="inside a torch.compile'd graph") as caught:
+        train(compiled, data, optimizer, 3)
+    summary = guard.close()
+    assert sum("inside a torch.compile'd graph" in str(w.message) for w in caught) == 2
+    named = summary.coverage["not_covered"]
+    assert named["model:recompute"].startswith("activation checkpointing (the compiler recomputes) inside")
+    assert named["model:saved"].startswith("saved-tensor fingerprints inside a torch.compile'd graph")
+    assert summary.coverage["recompute_sites_checked"] == [] and summary.confirmed == 0
+
+
 @pytest.mark.gpu
 def test_a_compiled_hugging_face_llama_keeps_its_graphs_and_confirms_a_fault(tmp_path):
     transformers = pytest.importorskip("transformers")

@@ -99,6 +99,14 @@ class _Rebound(functools.partial):
         return self.original.__reduce__()
 
 
+def name_compiled(checks: FingerprintChecks, kind: FingerprintKind, what: str) -> None:
+    """A fingerprint check that stood aside inside a compiled graph: named `model:<kind>` in the
+    coverage report, with one warning (at the end of the first step that compiled it)."""
+    reason = f"{what} inside a torch.compile'd graph: an eager-mode check, not run there"
+    if checks.name_uncovered("model", kind, reason):
+        warnings.warn(f"aegis-sdc: {reason} (guard.coverage_report())", stacklevel=2)
+
+
 class RecomputeChecker:
     def __init__(
         self, model: nn.Module, checks: FingerprintChecks, tracer: PlanTracer, injector: FaultInjector,
@@ -112,6 +120,7 @@ class RecomputeChecker:
         self.clock = clock
         self._original = None
         self.closed = False
+        self.compiled = False  # a checkpoint ran inside a compiled graph (a store the frame replays)
         self._wrappers: list[tuple[nn.Module, str, Any]] = []
 
     # -- installation ------------------------------------------------------------------------------
@@ -119,6 +128,10 @@ class RecomputeChecker:
         self._original = torch_checkpoint.checkpoint
         torch_checkpoint.checkpoint = self.checkpoint
         self.rebind()
+
+    def name_compiled(self) -> None:
+        if self.compiled:
+            name_compiled(self.checks, FingerprintKind.RECOMPUTE, "activation checkpointing (the compiler recomputes)")
 
     def rebind(self) -> None:
         """Rebind the model's bound checkpoint functions (checkpoint_wrapper, HF's partials) that hold
@@ -189,6 +202,8 @@ class RecomputeChecker:
         original = self._original or torch_checkpoint.checkpoint
         # Under torch.compile the compiler owns recomputation (the check runs in eager mode only).
         compiling = torch.compiler.is_compiling()
+        if compiling and torch.is_grad_enabled():
+            self.compiled = True  # named at the step's end (name_compiled)
         if use_reentrant is not False or not torch.is_grad_enabled() or self.closed or compiling:
             if use_reentrant is not False and torch.is_grad_enabled() and not (self.closed or compiling):
                 self._name_reentrant(function)
@@ -334,6 +349,11 @@ class SavedTensorChecker:
         self._handles: list[Any] = []
         self._step_handles: list[Any] = []
         self._context: Any = None
+        self.compiled = False  # the model's forward ran inside a compiled graph (a store the frame replays)
+
+    def name_compiled(self) -> None:
+        if self.compiled and (self.probability > 0 or self.forced):
+            name_compiled(self.checks, FingerprintKind.SAVED, "saved-tensor fingerprints")
 
     def install(self) -> None:
         # Only the model itself carries hooks between sampled steps: a module with forward hooks
@@ -351,8 +371,11 @@ class SavedTensorChecker:
     def _root_enter(self, module, args) -> None:
         # The model's own forward begins: hook saved tensors if this step is sampled, and name them
         # by the module running (hooks on the submodules for this forward only).
-        if self.active or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return  # (saved-tensor hooks are an eager-mode check)
+        if torch.compiler.is_compiling() and torch.is_grad_enabled():
+            self.compiled = True  # saved-tensor hooks are an eager-mode check: named at the step's end
+            return
+        if self.active or not torch.is_grad_enabled():
+            return
         sampled = self.forced
         if sampled is None:
             sampled = self.checks.should_check(self.probability, SAVED_STEP_SITE, self.clock.step, 0)

@@ -438,6 +438,8 @@ class StepRuntime:
         g = self.guard
         if g._router is not None:
             g._router.name_compiled_calls()  # attention a compiled graph ran: named with this step
+        for checker in g._checkers:
+            checker.name_compiled()  # so are the recompute and saved-tensor checks that stood aside
         report.events.extend(g._pending_events)
         g._pending_events.clear()
         calls = g.plan.take_counts()  # the calls of each Linear, checked or not
