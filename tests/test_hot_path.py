@@ -473,8 +473,6 @@ def test_fullgraph_compiles_a_protected_hugging_face_llama_and_names_its_attenti
 def test_the_fingerprint_checks_a_compiled_graph_runs_without_are_named(tmp_path):
     # The recompute and saved-tensor fingerprints are eager-mode checks: inside a compiled graph the
     # compiler recomputes and keeps the saved tensors. Named after the first step, one warning each.
-    import dataclasses
-
     from tests.helpers import SMALL
 
     torch._dynamo.reset()
@@ -490,6 +488,38 @@ def test_the_fingerprint_checks_a_compiled_graph_runs_without_are_named(tmp_path
     assert named["model:recompute"].startswith("activation checkpointing (the compiler recomputes) inside")
     assert named["model:saved"].startswith("saved-tensor fingerprints inside a torch.compile'd graph")
     assert summary.coverage["recompute_sites_checked"] == [] and summary.confirmed == 0
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_a_compiled_optimizer_step_is_judged_eagerly_and_never_blamed_on_the_device(tmp_path, policy):
+    # torch.compile over optimizer.step(): Dynamo traced the guard's step-end hooks (an internal
+    # Dynamo error), and the compiled update's bits differ from the eager replay's — the update replay
+    # confirmed "SDCs" on a healthy device (and `raise` stopped training on one).
+    torch._dynamo.reset()
+    model, data, _ = small_workload()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
+    site = "layers.0.mlp.up_proj:wgrad"
+    config = guard_config(tmp_path, faults=(aegis.FaultSpec(site=site, model="bitflip", bit=29, steps=(4,)),),
+                          response=aegis.ResponseConfig(policy=policy))  # fmt: skip
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    step_compiled = torch.compile(optimizer.step, backend="aot_eager")
+    weight = model.layers[0].mlp.up_proj.weight
+    raised_at = None
+    for step in range(6):
+        inputs, targets = data.batch()
+        lm_loss(model(inputs), targets).backward()
+        before = weight.detach().clone()
+        try:
+            step_compiled()
+        except aegis.SilentDataCorruptionError:
+            raised_at = step
+            break
+        optimizer.zero_grad()
+    summary = guard.close()
+    assert [(i.site.name, i.step) for i in guard.incidents] == [(site, 4)] and summary.false_alarms == 0
+    if policy == "raise":  # held back before the compiled update ran
+        assert raised_at == 4 and torch.equal(weight.detach(), before)
+    assert "inside torch.compile" in summary.coverage["not_covered"]["optimizer:optimizer_update"]
 
 
 @pytest.mark.gpu

@@ -263,6 +263,7 @@ class Guard:
         self._forward_watch = model.register_forward_pre_hook(GuardHook(self._count_forward))
         self._handles.append(self._forward_watch)
         self.update_replay: UpdateReplay | None = None  # with an optimizer: its update replayed by slices
+        self._compiled_step = False  # the optimizer step running now is torch.compile'd
         if optimizer is not None:
             self.attach_optimizer(optimizer)
 
@@ -425,8 +426,12 @@ class Guard:
             inner = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
             replay = self.config.update_replay
             self.update_replay = UpdateReplay(inner, self.fingerprint_pool, replay.slices, replay.every)
-        self._handles.append(optimizer.register_step_pre_hook(self._optimizer_pre_step))
-        self._handles.append(optimizer.register_step_post_hook(self._optimizer_post_step))
+        # eager even in a compiled optimizer step (torch.compile over `optimizer.step()`): the step
+        # end's host work (numpy plans, verdicts, the store) is not for tracing; a graph break there.
+        # The first hook tells the step end whether the update itself is compiled.
+        self._handles.append(optimizer.register_step_pre_hook(self._mark_compiled_step))
+        self._handles.append(optimizer.register_step_pre_hook(torch.compiler.disable(self._optimizer_pre_step)))
+        self._handles.append(optimizer.register_step_post_hook(torch.compiler.disable(self._optimizer_post_step)))
 
     def attach_ddp(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Check DDP's gradient all-reduces (a communication hook; done by `protect(ddp_model)`)."""
@@ -690,6 +695,11 @@ class Guard:
         self.injector.flip_tensor_bit(site, step, 0, result, salt=0xC0)
 
     # -- the step end at optimizer.step() (runtime/gate.py) ------------------------------------------
+    def _mark_compiled_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # Traced into a compiled optimizer step this is the constant True, a store Dynamo makes at
+        # the graph break before the next hook runs; eager, False.
+        self._compiled_step = torch.compiler.is_compiling()
+
     def _optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.gate.reapplying:
             return
@@ -698,7 +708,8 @@ class Guard:
             closure = (args[1] if len(args) > 1 else None) or kwargs.get("closure")
             step = self.clock.step
             span = self.sensor_clock.begin("update_replay", step) if self.update_replay.due(step) else None
-            self.update_replay.before(optimizer, step, self.responder.dropped_updates, closure is not None)
+            self.update_replay.before(optimizer, step, self.responder.dropped_updates, closure is not None,
+                                      compiled=self._compiled_step)  # fmt: skip
             if span is not None:
                 self.sensor_clock.end(span)
         self.runtime.conclude_peer_replay()

@@ -291,13 +291,22 @@ class UpdateReplay:
             self._slices = slices
         return self._slices[(step // self.every) % self.slices]
 
-    def before(self, optimizer: torch.optim.Optimizer, step: int, dropped_updates: int, closure: bool = False) -> None:
+    def before(
+        self, optimizer: torch.optim.Optimizer, step: int, dropped_updates: int, closure: bool = False,
+        compiled: bool = False,
+    ) -> None:  # fmt: skip
         """Copy the inputs of this step's slice (the update is still to come). A step given a closure
         computes its gradients inside `optimizer.step` (Lightning's automatic optimization): its
         inputs do not exist yet, so it is not replayed (comparing against stale inputs would accuse
-        a healthy device)."""
+        a healthy device). A `compiled` step (torch.compile over `optimizer.step()`) computes the
+        update with the compiler's kernels, whose bits an eager replay need not reproduce (an
+        aot_eager AdamW differed from the eager one in 2 of 6 slices on the CPU): not covered."""
         self._inputs = None
         if self.uncovered is not None:
+            return
+        if compiled:
+            self.uncovered = ("the optimizer step runs inside torch.compile: its update is computed by compiled "
+                              "kernels whose bits an eager replay does not reproduce")  # fmt: skip
             return
         if closure:
             self.closure_steps += 1
