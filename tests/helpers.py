@@ -15,6 +15,17 @@ SMALL = LlamaConfig(vocab_size=128, dim=128, n_layers=1, n_heads=4, n_kv_heads=2
 MEDIUM = LlamaConfig(vocab_size=256, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=512, max_seq_len=128)
 
 
+def hf_llama(seed: int = 0, **config: object):
+    """A two-layer Hugging Face LlamaForCausalLM (hidden 64, 4 query / 2 key-value heads, vocabulary
+    128); `config` overrides or adds LlamaConfig fields. Needs transformers."""
+    import transformers
+
+    torch.manual_seed(seed)
+    options = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**options, **config}))
+
+
 def small_workload(seed: int = 0, cfg: LlamaConfig = SMALL, batch: int = 4, seq: int = 64):
     torch.manual_seed(seed)
     model = Llama(cfg)

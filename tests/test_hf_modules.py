@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from tests.helpers import guard_config
+from tests.helpers import guard_config, hf_llama
 
 import aegis_sdc as aegis
 
@@ -157,10 +157,7 @@ def test_no_matrix_of_a_mixture_of_experts_model_is_left_out_silently(tmp_path, 
 def test_attention_a_model_computes_without_sdpa_is_named_not_covered_with_one_warning(tmp_path):
     # transformers' 'eager' attention (Gemma2's only one) multiplies Q·Kᵀ and P·V itself: the
     # router never sees it, so its modules are named at protect(), not left out silently
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=128, attn_implementation="eager")  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
+    model = hf_llama(attn_implementation="eager")
     optimizer = torch.optim.AdamW(model.parameters())
     spec = aegis.FaultSpec(site="model.layers.0.self_attn:attn_fwd", model="bitflip", bit=30, steps=(0,))
     with pytest.warns(UserWarning, match="attention of 2 modules") as caught:
@@ -182,10 +179,7 @@ def test_a_left_padded_batch_has_its_attention_checked_and_a_fault_in_it_confirm
     # in Hugging Face's causal mask. SDPA gives them zeros; the checked op does the same and checks
     # every other row — the call was left unchecked before, so padded batches ran with no attention
     # check at all.
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=128)  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
+    model = hf_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     site = "model.layers.1.self_attn:attn_bwd"
     spec = aegis.FaultSpec(site=site, model="bitflip", bit=30, stage="dq", steps=(6,), row=12, col=3)
@@ -248,10 +242,7 @@ def test_peft_adapters_are_checked_or_named_with_their_layer(tmp_path, method):
         "loha": lambda: peft.LoHaConfig(r=4, target_modules=targets),
         "oft": lambda: peft.OFTConfig(r=0, oft_block_size=16, target_modules=targets),
     }[method]()
-    torch.manual_seed(0)
-    llama = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, vocab_size=128)  # fmt: skip
-    model = peft.get_peft_model(transformers.LlamaForCausalLM(llama), config)
+    model = peft.get_peft_model(hf_llama(), config)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     site = "base_model.model.model.layers.1.mlp.down_proj:dgrad"  # no adapter there: a plain Linear
     spec = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(2,))
@@ -280,11 +271,7 @@ def test_modules_a_model_gains_after_protect_are_named_and_the_rest_stays_checke
     # resize_token_embeddings puts a new nn.Linear where an untied lm_head stood (a tied one keeps its
     # module and takes the embedding's weight); get_peft_model after protect() wraps the checked
     # Linears, its LoRA factors new Linears. What is new runs unchecked: named, with one warning.
-    torch.manual_seed(0)
-    tied = change == "resize_tied"
-    llama = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, vocab_size=128, tie_word_embeddings=tied)  # fmt: skip
-    model = transformers.LlamaForCausalLM(llama)
+    model = hf_llama(tie_word_embeddings=change == "resize_tied")
     site = "model.layers.1.mlp.down_proj:fwd"
     spec = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(2,))
     guard = aegis.protect(model, config=guard_config(tmp_path, faults=(spec,)))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers import MEDIUM, guard_config, small_workload, train
+from tests.helpers import MEDIUM, guard_config, hf_llama, small_workload, train
 from torch import nn
 
 import aegis_sdc as aegis
@@ -439,12 +439,9 @@ def test_fullgraph_compiles_a_protected_hugging_face_llama_and_names_its_attenti
     # fullgraph=True refuses any graph break: the guard's forward watch once removed its own hook
     # inside the traced forward ("unregistered RemovableHandle"). The attention the compiled graph
     # runs as its own is named, once, at the step's end; the GEMMs stay checked.
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg)
+    model = hf_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     site = "model.layers.0.mlp.up_proj:fwd"
     config = guard_config(tmp_path, faults=(aegis.FaultSpec(site=site, model="bitflip", bit=28, steps=(5,)),))
