@@ -520,6 +520,42 @@ def test_a_compiled_optimizer_step_is_judged_eagerly_and_never_blamed_on_the_dev
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_on_cuda_a_compiled_fused_optimizer_step_keeps_the_gate_and_blames_no_healthy_device(tmp_path, policy):
+    # The compiled optimizer step on the GPU: fused AdamW under Inductor, the optimizer gate handing
+    # it found_inf (runtime/gate.py) — an alarmed update is held back, a clean one lands, and the
+    # update replay stands aside (the compiled update's bits are not the eager replay's).
+    pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    model = hf_llama(hidden_size=256, intermediate_size=512).to("cuda", torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    site = "model.layers.1.mlp.up_proj:wgrad"
+    config = guard_config(tmp_path, faults=(aegis.FaultSpec(site=site, model="bitflip", bit=29, steps=(4,)),),
+                          response=aegis.ResponseConfig(policy=policy))  # fmt: skip
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    step_compiled = torch.compile(optimizer.step)
+    weight = model.model.layers[1].mlp.up_proj.weight
+    ids = torch.randint(0, 128, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    raised_at = None
+    for step in range(6):
+        model(input_ids=ids, labels=ids).loss.backward()
+        before = weight.detach().clone()
+        try:
+            step_compiled()
+        except aegis.SilentDataCorruptionError:
+            raised_at = step
+            break
+        optimizer.zero_grad(set_to_none=True)
+    summary = guard.close()
+    assert [(i.site.name, i.step) for i in guard.incidents] == [(site, 4)] and summary.false_alarms == 0
+    if policy == "raise":
+        assert raised_at == 4 and torch.equal(weight.detach(), before)
+    else:
+        assert raised_at is None and optimizer.state[weight]["step"].item() == 6
+    assert "inside torch.compile" in summary.coverage["not_covered"]["optimizer:optimizer_update"]
+
+
+@pytest.mark.gpu
 def test_a_compiled_hugging_face_llama_keeps_its_graphs_and_confirms_a_fault(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
