@@ -76,3 +76,18 @@ def skip_unless_fused_experts(model) -> None:
     experts = model.model.layers[0].mlp.experts
     if not isinstance(getattr(experts, "gate_up_proj", None), torch.nn.Parameter):
         pytest.skip("this transformers keeps a MoE layer's experts as Linear modules (before 5.0)")
+
+
+def train_until_raised(loss, step, optimizer, weight: torch.Tensor, steps: int):
+    """Train until `step()` (the optimizer's step, or a compiled one) raises SilentDataCorruptionError:
+    (that step or None, `weight` as it was before the step's update). `loss()` gives a step's loss."""
+    before = weight.detach().clone()
+    for i in range(steps):
+        loss().backward()
+        before = weight.detach().clone()
+        try:
+            step()
+        except aegis.SilentDataCorruptionError:
+            return i, before
+        optimizer.zero_grad(set_to_none=True)
+    return None, before

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers import MEDIUM, guard_config, hf_llama, small_workload, train
+from tests.helpers import MEDIUM, guard_config, hf_llama, small_workload, train, train_until_raised
 from torch import nn
 
 import aegis_sdc as aegis
@@ -499,19 +499,14 @@ def test_a_compiled_optimizer_step_is_judged_eagerly_and_never_blamed_on_the_dev
     config = guard_config(tmp_path, faults=(aegis.FaultSpec(site=site, model="bitflip", bit=29, steps=(4,)),),
                           response=aegis.ResponseConfig(policy=policy))  # fmt: skip
     guard = aegis.protect(model, optimizer=optimizer, config=config)
-    step_compiled = torch.compile(optimizer.step, backend="aot_eager")
     weight = model.layers[0].mlp.up_proj.weight
-    raised_at = None
-    for step in range(6):
+
+    def loss():
         inputs, targets = data.batch()
-        lm_loss(model(inputs), targets).backward()
-        before = weight.detach().clone()
-        try:
-            step_compiled()
-        except aegis.SilentDataCorruptionError:
-            raised_at = step
-            break
-        optimizer.zero_grad()
+        return lm_loss(model(inputs), targets)
+
+    step_compiled = torch.compile(optimizer.step, backend="aot_eager")
+    raised_at, before = train_until_raised(loss, step_compiled, optimizer, weight, 6)
     summary = guard.close()
     assert [(i.site.name, i.step) for i in guard.incidents] == [(site, 4)] and summary.false_alarms == 0
     if policy == "raise":  # held back before the compiled update ran
@@ -533,19 +528,11 @@ def test_on_cuda_a_compiled_fused_optimizer_step_keeps_the_gate_and_blames_no_he
     config = guard_config(tmp_path, faults=(aegis.FaultSpec(site=site, model="bitflip", bit=29, steps=(4,)),),
                           response=aegis.ResponseConfig(policy=policy))  # fmt: skip
     guard = aegis.protect(model, optimizer=optimizer, config=config)
-    step_compiled = torch.compile(optimizer.step)
     weight = model.model.layers[1].mlp.up_proj.weight
     ids = torch.randint(0, 128, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    raised_at = None
-    for step in range(6):
-        model(input_ids=ids, labels=ids).loss.backward()
-        before = weight.detach().clone()
-        try:
-            step_compiled()
-        except aegis.SilentDataCorruptionError:
-            raised_at = step
-            break
-        optimizer.zero_grad(set_to_none=True)
+    step_compiled = torch.compile(optimizer.step)
+    raised_at, before = train_until_raised(lambda: model(input_ids=ids, labels=ids).loss, step_compiled, optimizer,
+                                           weight, 6)  # fmt: skip
     summary = guard.close()
     assert [(i.site.name, i.step) for i in guard.incidents] == [(site, 4)] and summary.false_alarms == 0
     if policy == "raise":

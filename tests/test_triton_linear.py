@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tests.helpers import train
+from tests.helpers import train, train_until_raised
 from torch import nn
 
 import aegis_sdc as aegis
@@ -121,16 +121,12 @@ def test_faults_in_each_gemm_are_confirmed_with_site_step_and_tile(tmp_path, seq
 
 def _train_until_raised(model, data, optimizer, weight, steps: int):
     """Train until a step raises SilentDataCorruptionError: (that step or None, `weight` before its update)."""
-    for step in range(steps):
+
+    def loss():
         inputs, targets = data.batch()
-        lm_loss(model(inputs), targets).backward()
-        before = weight.detach().clone()
-        try:
-            optimizer.step()
-        except aegis.SilentDataCorruptionError:
-            return step, before
-        optimizer.zero_grad(set_to_none=True)
-    return None, before
+        return lm_loss(model(inputs), targets)
+
+    return train_until_raised(loss, optimizer.step, optimizer, weight, steps)
 
 
 @pytest.mark.slow

@@ -140,7 +140,7 @@ class AttentionRouter:
         if self._original is not None and F.scaled_dot_product_attention == self.sdpa:
             F.scaled_dot_product_attention = _live(self._original)
 
-    def name_compiled_calls(self) -> None:
+    def name_compiled(self) -> None:
         """At a step's end: if attention ran inside a compiled graph, the model's attention modules
         are named not covered, once, with one warning (the graph's calls cannot say whose they are)."""
         if not self.compiled_calls or self._compiled_named or self.closed:
@@ -179,7 +179,7 @@ class AttentionRouter:
         original = self._original
         if torch.compiler.is_compiling():  # the checked attention is an eager-mode op for now
             # a store the compiled frame replays after its graph runs (no graph break, allowed under
-            # fullgraph=True): the step end names the attention modules (name_compiled_calls)
+            # fullgraph=True): the step end names the attention modules (name_compiled)
             self.compiled_calls = True
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa, **kwargs)  # fmt: skip

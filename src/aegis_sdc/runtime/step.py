@@ -436,10 +436,8 @@ class StepRuntime:
     def record(self, report: StepReport) -> None:
         """The step's record: its checks, alarms, verdicts, incidents and events, one transaction."""
         g = self.guard
-        if g._router is not None:
-            g._router.name_compiled_calls()  # attention a compiled graph ran: named with this step
-        for checker in g._checkers:
-            checker.name_compiled()  # so are the recompute and saved-tensor checks that stood aside
+        for eager_check in [*([g._router] if g._router is not None else []), *g._checkers]:
+            eager_check.name_compiled()  # what stood aside inside a compiled graph: named with this step
         report.events.extend(g._pending_events)
         g._pending_events.clear()
         calls = g.plan.take_counts()  # the calls of each Linear, checked or not
