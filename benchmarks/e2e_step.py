@@ -55,6 +55,7 @@ HF_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, 
                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=SEQ)  # fmt: skip
 OWN_SHAPE = LlamaConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=32, n_kv_heads=4, hidden_dim=5632,
                         max_seq_len=SEQ)  # fmt: skip
+PROFILE_KERNELS = 40  # kernels listed per config: the checks' own (weight sums, fingerprints, evidence) are small
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 CALIBRATION_STEPS = 18  # every site's 16 calibration checks, and two steps to settle
 PLAN_STEPS = 40  # at most this many more warm-up steps while a budget's first plan is not made
@@ -288,7 +289,7 @@ def profile(workload: str, runners: list[Runner], batch: torch.Tensor, out: Path
         )
         lines.append(f"== {workload} {runner.label}: GPU kernel time {gpu_total:.1f} ms/step, "
                      f"{launches:.0f} launches/step")  # fmt: skip
-        for e in kernels[:15]:
+        for e in kernels[:PROFILE_KERNELS]:
             lines.append(f"  {e.device_time_total / 2 / 1000:8.2f} ms  {e.count // 2:6d}×  {e.key[:90]}")
     (out / f"e2e_step_profile_{workload}.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)

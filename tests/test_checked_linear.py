@@ -211,6 +211,33 @@ def test_nonfinite_input_is_reported_as_such_never_as_sdc(tmp_path, caplog):
     assert all("not an SDC" in line for line in lines) and first in lines[0].split(" at ")[1]
 
 
+def test_finite_inputs_that_overflow_are_reported_as_from_the_data_never_as_false_alarm_or_sdc(tmp_path):
+    # Finite operands whose products pass fp32's range (a diverging run; downstream of a corrupted
+    # value): the checksums are ±inf/NaN, the replay reproduces them bit for bit — the data's values,
+    # not the device, and not the checker's noise either (a false alarm would count against it).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)  # 32 products of 1.5e38 in a row: past fp32's 3.4e38
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    for step in range(19):
+        x = torch.randn(64, 32)
+        if step == 17:
+            x[3] = 3e38  # finite
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+    summary = guard.close()
+    assert summary.confirmed == 0 and summary.false_alarms == 0 and summary.nonfinite_inputs >= 1
+    import sqlite3
+
+    conn = sqlite3.connect(next((tmp_path / "run").glob("*.sqlite")))
+    first = conn.execute("SELECT s.name, v.kind, v.detail FROM verdicts v JOIN vtasks t ON t.id = v.vtask_id "
+                         "JOIN sites s ON s.id = t.site_id WHERE t.step = 17 ORDER BY t.id").fetchone()  # fmt: skip
+    assert first[:2] == ("0:fwd", "nonfinite_input") and "overflow" in first[2]
+
+
 def test_a_gradient_penalty_differentiates_through_protected_linears(tmp_path):
     """backward(create_graph=True): the Linears' dgrad and wgrad run as differentiable torch GEMMs,
     and the second-order gradient equals the unprotected model's."""

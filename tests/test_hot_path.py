@@ -132,7 +132,7 @@ def test_the_budget_plan_fills_the_budget_by_flops_per_millisecond():
 
 def test_a_checks_cost_scales_its_gemm_to_the_calls_tokens_but_not_the_weights_pass(monkeypatch):
     # A wide lm_head (vocabulary 32000) at 8192 tokens is timed at 2097 tokens (its operands capped)
-    # and scaled by 8192/2097: the checked GEMM's extra time grows with the tokens, the per-step pass
+    # and carried to 8192: the checked GEMM's extra time grows with the tokens, the per-step pass
     # over the weight does not (it was scaled too, charging the head's weight pass ×3.9).
     from aegis_sdc.kernels.reference import Tiling
     from aegis_sdc.ops import cost
@@ -144,10 +144,36 @@ def test_a_checks_cost_scales_its_gemm_to_the_calls_tokens_but_not_the_weights_p
     monkeypatch.setattr(cost, "_median_ms", timed)
     ms = cost.check_cost_ms("fwd", (8192, 2048, 32000), torch.bfloat16, torch.device("cpu"), col_check=False,
                             triton=True, tiling=Tiling())  # fmt: skip
+    # the same extra time at 2097 and 1048 tokens: no line through them, so scaled in proportion
     assert ms == pytest.approx((12.0 - 10.0) * 8192 / 2097 + 5.0)
     # a call under the cap is timed whole: nothing scaled
     assert cost.check_cost_ms("fwd", (512, 256, 384), torch.bfloat16, torch.device("cpu"), col_check=False,
                               triton=True, tiling=Tiling()) == pytest.approx(7.0)  # fmt: skip
+
+
+def test_a_capped_checks_cost_is_carried_along_the_line_through_two_timings(monkeypatch):
+    # What a checked launch adds is a fixed part (the evidence's finish, a last wave) and a part per
+    # token: timed at 2097 and 1048 tokens, the line through both gives 8192 tokens' cost — scaling
+    # the 2097-token time in proportion would charge the fixed part ×3.9.
+    from aegis_sdc.kernels.reference import Tiling
+    from aegis_sdc.ops import cost
+
+    seen = []
+
+    def parts(kind, shape, dtype, device, *, col_check, triton, tiling, weight):
+        tokens = shape[1] if kind == "wgrad" else shape[0]
+        seen.append((kind, tokens, weight))
+        return 0.3 + 0.001 * tokens, (5.0 if weight else 0.0)
+
+    monkeypatch.setattr(cost, "_timed_parts", parts)
+    ms = cost.check_cost_ms("fwd", (8192, 2048, 32000), torch.bfloat16, torch.device("cpu"), col_check=False,
+                            triton=True, tiling=Tiling())  # fmt: skip
+    assert ms == pytest.approx(0.3 + 0.001 * 8192 + 5.0)
+    assert seen == [("fwd", 2097, True), ("fwd", 1048, False)]  # the weight's pass timed once
+    seen.clear()
+    ms = cost.check_cost_ms("wgrad", (32000, 8192, 2048), torch.bfloat16, torch.device("cpu"), col_check=True,
+                            triton=True, tiling=Tiling())  # fmt: skip
+    assert ms == pytest.approx(0.3 + 0.001 * 8192 + 5.0) and [t for _, t, _ in seen] == [2097, 1048]
 
 
 def test_the_planner_times_a_check_once_per_token_bucket_and_scales_all_but_the_weight_pass(monkeypatch):
@@ -525,8 +551,10 @@ def test_on_cuda_a_compiled_fused_optimizer_step_keeps_the_gate_and_blames_no_he
     model = hf_llama(hidden_size=256, intermediate_size=512).to("cuda", torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     site = "model.layers.1.mlp.up_proj:wgrad"
+    # every call checked: on CUDA the default samples to a 1% budget
     config = guard_config(tmp_path, faults=(aegis.FaultSpec(site=site, model="bitflip", bit=29, steps=(4,)),),
-                          response=aegis.ResponseConfig(policy=policy))  # fmt: skip
+                          response=aegis.ResponseConfig(policy=policy),
+                          sampling=aegis.SamplingConfig.every_call())  # fmt: skip
     guard = aegis.protect(model, optimizer=optimizer, config=config)
     weight = model.model.layers[1].mlp.up_proj.weight
     ids = torch.randint(0, 128, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))

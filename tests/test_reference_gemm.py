@@ -150,6 +150,20 @@ def test_exact_bound_accepts_every_clean_result_and_rejects_a_wrong_one(dtype):
     assert exact_violations(a, b, bias=bias, out=wrong, row_partials=r.row_partials, tiling=Tiling(32, 32)) == 1
 
 
+def test_an_accumulator_that_passes_fp32s_range_on_the_way_is_no_proof_of_a_fault():
+    # 3e38 + 3e38 − 3e38: the exact sum (3e38) fits fp32, but the running sum passes its range first,
+    # so a correct fp32 execution ends at +inf. A bound that looked only at the exact sum counted that
+    # as a value no correct execution gives — the proof that confirms a fault that replays identically.
+    a = torch.tensor([[3e38, 3e38, -3e38], [1.0, 2.0, 3.0]])
+    b = torch.ones(3, 1)
+    r = checked_gemm(a, b, out_dtype=torch.float32, tiling=Tiling(2, 1))
+    assert torch.isinf(r.out[0, 0]) and torch.isinf(r.row_partials[0, 0])  # the correct fp32 result
+    assert exact_violations(a, b, bias=None, out=r.out, row_partials=r.row_partials, tiling=Tiling(2, 1)) == 0
+    wrong = r.out.clone()
+    wrong[1, 0] = 7.0  # the row that stays in range is still held to the bound
+    assert exact_violations(a, b, bias=None, out=wrong, row_partials=r.row_partials, tiling=Tiling(2, 1)) == 1
+
+
 def test_bitwise_equal_tells_nan_payloads_and_signed_zeros_apart():
     assert bitwise_equal(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
     assert not bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0]))

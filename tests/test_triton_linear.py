@@ -227,6 +227,28 @@ def test_gpu_bf16_training_clean_then_faulty(tmp_path, batch, seq):
     print(f"GPU training: {summary.checks} checks, {summary.false_alarms} false alarms")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_wgrads_activation_sums_match_fp64_sums_bit_for_bit_on_every_rerun(dtype):
+    # X·1 and dY·1 when no checked forward or dgrad made them (and u1 = 1ᵀA of a forward's optional
+    # column check): the device path's own kernels, not torch's fp64 sum, which copies t to fp64 first.
+    # Every value is exact in fp64, so the sums differ from torch's only in the order of fp64 additions:
+    # |difference| ≤ (columns + 1) · 2⁻⁵³ · Σ|t| per sum (each partial sum rounds once per addition).
+    from aegis_sdc.ops.triton_linear import column_sums, row_sums
+
+    gen = torch.Generator().manual_seed(0)
+    storage = (torch.randn(70, 100, generator=gen) * 4.0 + 1.0).to(DEVICE, dtype)
+    for t in (storage, storage[3:40, 5:69], storage[:, :0], storage[:0]):  # ragged, strided rows, empty
+        t64 = t.double()
+        for ours, reference, magnitude, terms in (
+            (row_sums(t), t64.sum(dim=1), t64.abs().sum(dim=1), t.shape[1]),
+            (column_sums(t), t64.sum(dim=0), t64.abs().sum(dim=0), t.shape[0]),
+        ):
+            assert ours.dtype == torch.float64 and ours.shape == reference.shape
+            assert torch.all((ours - reference).abs() <= (terms + 1) * 2.0**-53 * magnitude)
+    again = (row_sums(storage), column_sums(storage))
+    assert torch.equal(again[0], row_sums(storage)) and torch.equal(again[1], column_sums(storage))
+
+
 def test_byproduct_buffers_are_reused_from_step_to_step_and_never_twice_in_a_step():
     from aegis_sdc.ops.triton_linear import ByproductPool
 

@@ -260,14 +260,18 @@ def exact_violations(
                 :, c0:c1
             ].sum(dim=1)
             diff = (row_partials[j].to(torch.float64) - part_exact).abs()
-            overflowed = part_exact.abs() + part_bound >= F32_MAX  # fp32 overflow to ±inf is correct
+            # fp32 overflow to ±inf is correct wherever a partial sum of the row's products could pass
+            # fp32's range: each is at most the sum of magnitudes (the exact sum may cancel below it)
+            overflowed = magnitude[:, c0:c1].sum(dim=1) + part_bound >= F32_MAX
             violations += int((~((diff <= part_bound) | overflowed)).sum())
         exact_out = exact if bias is None else exact + bias.to(torch.float64)
         info = torch.finfo(out.dtype)
         out_u = info.eps / 2  # unit roundoff of the output dtype
         out_bound = acc_bound * (1 + u2) + (2 * out_u + u2) * exact_out.abs() + info.tiny
         within = (out.to(torch.float64) - exact_out).abs() <= out_bound
-        overflowed = exact_out.abs() >= info.max  # rounding a value past the dtype's range to ±inf is correct
+        # rounding a value past the dtype's range to ±inf is correct, and so is an accumulator that
+        # passed fp32's range on the way (its magnitude sum bounds every partial sum)
+        overflowed = (exact_out.abs() >= info.max) | (magnitude >= F32_MAX)
         violations += int((~(within | overflowed)).sum())
         return violations
 

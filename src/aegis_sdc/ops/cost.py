@@ -22,7 +22,7 @@ from aegis_sdc.kernels.gemm_side import SideMatrix
 from aegis_sdc.kernels.reference import Tiling, checked_gemm
 from aegis_sdc.kernels.weight_sums import WeightSideBuffers, weight_side_matrices
 from aegis_sdc.ops.checked_attention import attention_flops, checked_attention
-from aegis_sdc.ops.triton_linear import row_sums
+from aegis_sdc.ops.triton_linear import column_sums, row_sums
 
 ORIENTATION = {"fwd": (False, True), "dgrad": (False, False), "wgrad": (True, False)}  # (A stored ᵀ, B stored ᵀ)
 WARMUP, REPEATS = 2, 7
@@ -71,14 +71,32 @@ def check_cost_parts(
     plain one, the passes over an activation —, the pass over the weight, which does not)."""
     m, k, n = shape
     # Time at most TIMED_ELEMENTS per token-sized operand (a 128K-vocabulary lm_head at 16K tokens
-    # would need gigabytes at the user's peak memory) and scale: GEMM time is linear in the tokens.
+    # would need gigabytes at the user's peak memory) and extrapolate: GEMM time is linear in the
+    # tokens plus what a launch costs whatever its size (the evidence's finish, a short last wave),
+    # so a capped site is timed at two token counts and the line through them carried to the call's —
+    # scaled in proportion instead, a 32K-vocabulary head at 8K tokens was charged that fixed part ×3.9.
     tokens = k if kind == "wgrad" else m
     width = max(m, n) if kind == "wgrad" else max(k, n)
     timed = min(tokens, max(256, TIMED_ELEMENTS // max(width, 1)))
-    if kind == "wgrad":
-        k = timed
-    else:
-        m = timed
+
+    def at(count: int) -> tuple[float, float]:
+        return _timed_parts(kind, (count, k, n) if kind != "wgrad" else (m, count, n), dtype, device,
+                            col_check=col_check, triton=triton, tiling=tiling, weight=count == timed)  # fmt: skip
+
+    grows, weight_ms = at(timed)
+    if timed < tokens:
+        half = timed // 2
+        slope = (grows - at(half)[0]) / (timed - half)
+        grows = grows * tokens / timed if slope <= 0 else grows + slope * (tokens - timed)
+    return max(0.0, grows), weight_ms
+
+
+def _timed_parts(
+    kind: str, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, *, col_check: bool, triton: bool,
+    tiling: Tiling, weight: bool,
+) -> tuple[float, float]:  # fmt: skip
+    """(checked GEMM + activation passes − plain GEMM, the weight's pass if `weight`) in ms at this shape."""
+    m, k, n = shape
     a_t, b_t = ORIENTATION[kind]
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn((k, m) if a_t else (m, k), generator=gen, device=device).to(dtype)
@@ -91,10 +109,11 @@ def check_cost_parts(
     if triton and kind != "wgrad":  # the weight is B (stored [N, K] in forward, [K, N] in dgrad): its
         # sums and side matrices, once per step (shared by forward and dgrad: counted with each), into
         # buffers kept from step to step; alone, as the upper bound of its share of a grouped pass
-        buffers = WeightSideBuffers.empty(b)
-        weight_ms = _median_ms(lambda: weight_side_matrices(b, out=buffers), device)
+        if weight:
+            buffers = WeightSideBuffers.empty(b)
+            weight_ms = _median_ms(lambda: weight_side_matrices(b, out=buffers), device)
         if col_check:  # u1 = 1ᵀA: a pass over the activation
-            extra = _median_ms(lambda: SideMatrix.of(a.sum(dim=0, dtype=torch.float64), dtype), device)
+            extra = _median_ms(lambda: SideMatrix.of(column_sums(a), dtype), device)
     if triton and kind == "wgrad":  # X·1 (and dY·1 for the column side): a pass over each operand
         # when no checked forward (dgrad) made it as a by-product
         extra = _median_ms(lambda: (row_sums(b), row_sums(a) if col_check else None), device)
@@ -116,10 +135,7 @@ def check_cost_parts(
         def checked() -> None:
             checked_gemm(a_log, b_log, out_dtype=dtype, col_check=col_check, tiling=tiling)
 
-    # Timed at `timed` of the call's `tokens` (a wide lm_head's operands are capped): the GEMM and
-    # the activation passes scale to the whole call, the weight's pass does not (scaled too, a 32K
-    # vocabulary head at 8K tokens was charged its weight pass ×3.9).
-    return max(0.0, (_median_ms(checked, device) + extra - plain) * tokens / timed), weight_ms
+    return _median_ms(checked, device) + extra - plain, weight_ms
 
 
 ATTENTION_TIMED_FLOPS = 1 << 36  # per timed call: a few milliseconds on a GPU; larger calls scale by heads

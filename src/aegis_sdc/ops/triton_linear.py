@@ -24,6 +24,7 @@ import torch
 from aegis_sdc.kernels import triton_gemm as tg
 from aegis_sdc.kernels.gemm_side import SIDE_COLUMNS, SideMatrix
 from aegis_sdc.kernels.reference import TINY, U32
+from aegis_sdc.kernels.row_sums import triton_row_sums
 from aegis_sdc.kernels.weight_sums import GroupSums, WeightSideBuffers, weight_side_matrices, weight_sides
 from aegis_sdc.ops.triton_replay import TritonGemmCall
 
@@ -326,8 +327,19 @@ def unsupported(t: torch.Tensor, *, is_weight: bool = False) -> str | None:
 
 
 def row_sums(t: torch.Tensor) -> torch.Tensor:
-    """t·1 in fp64 [rows], when no kernel produced it as a by-product (one pass over t)."""
+    """t·1 in fp64 [rows] of a 2-D t, when no kernel produced it as a by-product (one pass over t; on
+    the device a kernel of its own, kernels/row_sums.py: torch's fp64 sum first copies t to fp64)."""
+    if (t.device.type == "cuda" or tg.INTERPRET) and t.stride(1) == 1 and t.dtype in tg._TL_DTYPES:
+        return triton_row_sums(t)
     return t.sum(dim=1, dtype=torch.float64)
+
+
+def column_sums(t: torch.Tensor) -> torch.Tensor:
+    """1ᵀ·t in fp64 [columns] of a 2-D t (a column check's u1 = 1ᵀA): on the device in the weight-sums
+    kernels' one pass (kernels/weight_sums.py, fixed order), for the same reason as `row_sums`."""
+    if (t.device.type == "cuda" or tg.INTERPRET) and t.stride(1) == 1 and t.dtype in tg._TL_DTYPES:
+        return weight_sides(t, sides=False)[0]
+    return t.sum(dim=0, dtype=torch.float64)
 
 
 def _fault_args(fault) -> tuple | None:
@@ -373,7 +385,7 @@ def run(
     check = plan is not None and plan.check
     col = check and col_check
     if col and u_side is None:
-        u_side = SideMatrix.of(a.sum(dim=1 if a_t else 0, dtype=torch.float64), a.dtype)
+        u_side = SideMatrix.of(row_sums(a) if a_t else column_sums(a), a.dtype)
     fault = plan.fault if plan is not None else None
     if fault is not None:
         row, col_index = fault.element(m, n)

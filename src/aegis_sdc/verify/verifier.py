@@ -5,7 +5,9 @@ fingerprints and attention heads carry payloads that decide for themselves (`pay
 distributed/comm_check.py, sensors/fingerprint.py, sensors/attention.py); GEMM payloads go through:
 
 1. The context is gone or changed (a referenced weight's version moved)  → NOT_VERIFIABLE.
-2. Non-finite checksums and non-finite operands in the context          → NONFINITE_INPUT.
+2. Non-finite checksums and non-finite operands in the context          → NONFINITE_INPUT
+   (also non-finite checksums from finite operands that the replay reproduces bit for bit, below:
+   values that overflow, from the data).
 3. Replay with the identical implementation and compare bit for bit (output tiles, fp32 partial
    checksums, the reference side A·(B·1) and B·1):
    - B·1 recomputed from a referenced weight differs from the vector the step used: the weight is
@@ -176,6 +178,16 @@ class Verifier:
                         evidence_tile,
                         False,
                         detail,
+                    )
+                if task.evidence.channel is Channel.NONFINITE:
+                    # finite operands that overflow the same way on every run: the data's values, not
+                    # the device (an upstream corruption's huge values, a diverging run)
+                    return (
+                        VerdictKind.NONFINITE_INPUT,
+                        None,
+                        (),
+                        False,
+                        "NaN/Inf from finite operands, reproduced bit for bit: the data's values overflow",
                     )
                 return VerdictKind.FALSE_ALARM, None, (), False, "replay reproduced every bit"
             second = payload.replay()
