@@ -237,7 +237,8 @@ def test_the_wgrads_activation_sums_match_fp64_sums_bit_for_bit_on_every_rerun(d
 
     gen = torch.Generator().manual_seed(0)
     storage = (torch.randn(70, 100, generator=gen) * 4.0 + 1.0).to(DEVICE, dtype)
-    for t in (storage, storage[3:40, 5:69], storage[:, :0], storage[:0]):  # ragged, strided rows, empty
+    # ragged; strided rows (a 16-byte aligned start: the kernels); an unaligned start (torch's sum); empty
+    for t in (storage, storage[8:40, 8:72], storage[3:40, 5:69], storage[:, :0], storage[:0]):
         t64 = t.double()
         for ours, reference, magnitude, terms in (
             (row_sums(t), t64.sum(dim=1), t64.abs().sum(dim=1), t.shape[1]),

@@ -329,7 +329,7 @@ def unsupported(t: torch.Tensor, *, is_weight: bool = False) -> str | None:
 def row_sums(t: torch.Tensor) -> torch.Tensor:
     """t·1 in fp64 [rows] of a 2-D t, when no kernel produced it as a by-product (one pass over t; on
     the device a kernel of its own, kernels/row_sums.py: torch's fp64 sum first copies t to fp64)."""
-    if (t.device.type == "cuda" or tg.INTERPRET) and t.stride(1) == 1 and t.dtype in tg._TL_DTYPES:
+    if _summable_on_device(t):
         return triton_row_sums(t)
     return t.sum(dim=1, dtype=torch.float64)
 
@@ -337,9 +337,21 @@ def row_sums(t: torch.Tensor) -> torch.Tensor:
 def column_sums(t: torch.Tensor) -> torch.Tensor:
     """1ᵀ·t in fp64 [columns] of a 2-D t (a column check's u1 = 1ᵀA): on the device in the weight-sums
     kernels' one pass (kernels/weight_sums.py, fixed order), for the same reason as `row_sums`."""
-    if (t.device.type == "cuda" or tg.INTERPRET) and t.stride(1) == 1 and t.dtype in tg._TL_DTYPES:
+    if _summable_on_device(t):
         return weight_sides(t, sides=False)[0]
     return t.sum(dim=0, dtype=torch.float64)
+
+
+def _summable_on_device(t: torch.Tensor) -> bool:
+    """Whether the sums' kernels take t: on the device (or the interpreter), contiguous columns, and a
+    16-byte aligned start — their compiled variants are reused by dtype alone (kernels/triton_gemm.py,
+    `_Launcher`), and Triton compiles a pointer it sees aligned as always aligned."""
+    return (
+        (t.device.type == "cuda" or tg.INTERPRET)
+        and t.dtype in tg._TL_DTYPES
+        and t.stride(1) == 1
+        and t.data_ptr() % 16 == 0
+    )
 
 
 def _fault_args(fault) -> tuple | None:
