@@ -38,6 +38,9 @@
 #   cutlass-probe CUTLASS's CuTe DSL Hopper GEMM beside ours (results/cutlass_probe.json). Needs, carried in
 #                 the ignored folder .dsl/: dsl.tar.xz (nvidia-cutlass-dsl[cu13] unpacked for the device's
 #                 Python, with its deps) and CUTLASS's dense_gemm_persistent.py example (CuTe DSL, Hopper)
+#   budget-costs  the activation sums' speed (results/activation_sums.json), the GPU tests of this change (the
+#                 compiled fused optimizer step, Mixtral's eager experts, the sums), and the HF step unprotected
+#                 and at a 1% budget with the cost model it planned with ($out/e2e_budget_costs.json)
 #   e2e-evidence  the HF step's full checking with the evidence inside the GEMM launch and in a second
 #                 launch, each against its unprotected step ($out/e2e_inline.json, $out/e2e_second_launch.json)
 #   e2e-eager | e2e-compiled | e2e-own   the end-to-end step record (results/e2e_step.json); the
@@ -127,6 +130,17 @@ case "${1:-tests-1}" in
         --evidence "$evidence" --out "$out/e2e_${evidence/-/_}.json" 2>&1 | grep -v Warn \
         | tee "$out/e2e_${evidence/-/_}.log" | tail -4
     done ;;
+  budget-costs)
+    timeout 60 python benchmarks/activation_sums.py --out benchmarks/results/activation_sums.json 2>&1 \
+      | tee "$out/activation_sums.log" | tail -8
+    cp benchmarks/results/activation_sums.json "$out/" 2>/dev/null
+    timeout 200 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider \
+      "tests/test_hot_path.py::test_on_cuda_a_compiled_fused_optimizer_step_keeps_the_gate_and_blames_no_healthy_device" \
+      "tests/test_matrices.py::test_on_cuda_grouped_experts_are_named_and_handed_back_and_eager_experts_are_checked" \
+      "tests/test_triton_linear.py::test_the_wgrads_activation_sums_match_fp64_sums_bit_for_bit_on_every_rerun" \
+      2>&1 | grep -v DEBUG | tee "$out/budget_costs_tests.log" | tail -8
+    timeout 300 python benchmarks/e2e_step.py --workloads hf --modes eager --configs unprotected,budget_1pct --rounds 3 \
+      --out "$out/e2e_budget_costs.json" 2>&1 | grep -v Warn | tee "$out/e2e_budget_costs.log" | tail -12 ;;
   tests-1)
     timeout 570 python -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=10 \
       --ignore=tests/test_triton_gemm.py --ignore=tests/test_triton_linear.py --ignore=tests/test_triton_attention.py \
@@ -187,5 +201,5 @@ case "${1:-tests-1}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 kernel|evidence|diagnose|evidence-parts|side-groups|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 budget-costs|kernel|evidence|diagnose|evidence-parts|side-groups|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

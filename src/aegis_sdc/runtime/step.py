@@ -534,4 +534,5 @@ def _log_nonfinite_inputs(console: StepConsole, verdicts: list[Verdict], first_i
         else:
             source = "from the data, not the device (not an SDC)"
         console.emit(logging.WARNING, f"step {step}: NaN/Inf in the inputs of {len(names)} checked "
-                                      f"call{'' if len(names) == 1 else 's'} at {shown} — {source}")  # fmt: skip
+                                      f"call{'' if len(names) == 1 else 's'}, or overflowing in them, at {shown} "
+                                      f"— {source}")  # fmt: skip
