@@ -87,6 +87,28 @@ def test_a_token_count_that_makes_unaligned_rows_is_checked_on_the_triton_path(t
         torch.testing.assert_close(ours, ref, rtol=2**-9, atol=2**-9 * float(ref.abs().max()))
 
 
+def test_an_accumulator_past_fp32s_range_from_finite_operands_is_the_datas_on_the_triton_path(tmp_path):
+    # Finite operands whose products pass fp32's range (a diverging run, or a corrupted value's huge
+    # products downstream): the kernel's accumulator correctly reaches +inf and its checksums are not
+    # finite. The replay reproduces them, and the exact-bound proof (which confirms a fault that
+    # replays identically) must not count an overflow as a value no correct execution gives: that was
+    # a confirmed "SDC" on a healthy device. Judged as the data's (non-finite), never false alarm or SDC.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64)).to(DEVICE)
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)  # 64 products of 1.5e38 in a row
+    guard = aegis.protect(model, config=config(tmp_path))
+    for step in range(6):
+        x = torch.randn(16, 64, device=DEVICE)
+        if step == 5:
+            x[3] = 3e38  # finite
+        model(x).square().mean().backward()
+        guard.step()
+    summary = guard.close()
+    assert summary.confirmed == 0 and summary.false_alarms == 0 and summary.nonfinite_inputs >= 1
+    assert guard.incidents == []
+
+
 def test_misaligned_shapes_fall_back_to_the_reference_path(tmp_path):
     model = nn.Sequential(nn.Linear(33, 7)).to(DEVICE)  # 33 fp32 = 132-byte rows: no TMA
     guard = aegis.protect(model, config=config(tmp_path))
