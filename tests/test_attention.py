@@ -167,6 +167,32 @@ def test_clean_training_checks_attention_and_confirms_nothing(tmp_path):
     assert {s.name for s in guard.registry.extra} >= {"layers.0.attn:attn_fwd", "layers.0.attn:attn_bwd"}
 
 
+def test_finite_inputs_whose_scores_overflow_are_the_datas_never_a_false_alarm(tmp_path):
+    # Queries and keys of 1e20: finite, but their scores pass fp32's range and the softmax gives NaN.
+    # The forward check's values are not finite, two replays reproduce every bit: the data's values
+    # overflow — not the device, and not the check's noise (a false alarm counts against the check).
+    class SelfAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+
+        def forward(self, x, scale):
+            q = self.proj(x).view(2, 8, 2, 8).transpose(1, 2) * scale
+            return F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(2, 8, 16)
+
+    torch.manual_seed(0)
+    model = SelfAttention()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))
+    for step in range(19):
+        model(torch.randn(2, 8, 16), 1e20 if step == 17 else 1.0).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    summary = guard.close()
+    assert summary.false_alarms == 0 and summary.confirmed == 0 and not guard.incidents
+    assert summary.nonfinite_inputs >= 2  # step 17's forward check among them
+
+
 def test_differentiating_a_gradient_through_checked_attention_names_the_way_out(tmp_path):
     model, data, optimizer = small_workload(cfg=MEDIUM, batch=2, seq=32)
     guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path))

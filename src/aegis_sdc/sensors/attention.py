@@ -139,6 +139,10 @@ class AttentionCapture:
             return (VerdictKind.CONFIRMED_SDC, wrong,
                     f"{where}: outputs reproduced, but the check's own values differ from two replays' "
                     "(the reference side was computed wrong; no effect on training)")  # fmt: skip
+        if not bool(torch.isfinite(self.values).all()):
+            # finite inputs whose scores or sums overflow the same way on every run: the data's values
+            detail = f"{where}: NaN/Inf from finite inputs, reproduced bit for bit: the data's values overflow"
+            return VerdictKind.NONFINITE_INPUT, None, detail
         return VerdictKind.FALSE_ALARM, None, f"{where}: replays reproduced every bit, the check values too"
 
 
