@@ -7,9 +7,10 @@ four times the tensor's size written and read again. Timed on the H100 inside th
 the two passes of a sampled 1.1B-Llama q/o wgrad (8192 tokens × 2048) cost ~0.27 ms, five times the
 checked GEMM's own extra time. Here each program sums ROWS rows over their columns, COLS at a time,
 every value converted to fp64 on load (bf16, fp16 and fp32 values are exact in fp64): one read of the
-tensor, nothing written but the sums. The order of the additions is fixed by the kernel's constants,
-so a rerun gives the same bits (the wgrad's replay reuses the vector the step used, and no other
-code recomputes it).
+tensor, nothing written but the sums — where the weight-sums kernels (kernels/weight_sums.py), which
+also take the column sums, need a second launch and partial buffers. The order of the additions is
+fixed by the kernel's constants, so a rerun gives the same bits (the wgrad's replay reuses the vector
+the step used, and no other code recomputes it).
 """
 
 from __future__ import annotations

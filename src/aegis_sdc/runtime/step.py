@@ -436,8 +436,9 @@ class StepRuntime:
     def record(self, report: StepReport) -> None:
         """The step's record: its checks, alarms, verdicts, incidents and events, one transaction."""
         g = self.guard
-        for eager_check in [*([g._router] if g._router is not None else []), *g._checkers]:
-            eager_check.name_compiled()  # what stood aside inside a compiled graph: named with this step
+        for eager_check in (g._router, *g._checkers):  # what stood aside inside a compiled graph
+            if eager_check is not None:
+                eager_check.name_compiled()
         report.events.extend(g._pending_events)
         g._pending_events.clear()
         calls = g.plan.take_counts()  # the calls of each Linear, checked or not
