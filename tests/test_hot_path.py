@@ -551,8 +551,9 @@ def test_on_cuda_a_compiled_fused_optimizer_step_keeps_the_gate_and_blames_no_he
     model = hf_llama(hidden_size=256, intermediate_size=512).to("cuda", torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     site = "model.layers.1.mlp.up_proj:wgrad"
-    # every call checked: on CUDA the default samples to a 1% budget
-    config = guard_config(tmp_path, faults=(aegis.FaultSpec(site=site, model="bitflip", bit=29, steps=(4,)),),
+    # every call checked (on CUDA the default samples to a 1% budget); bit 30: on the tensor cores the
+    # first steps' thresholds sit above a bit-29 flip of this small wgrad (its size 5.2e5, threshold 1.1e6)
+    config = guard_config(tmp_path, faults=(aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(4,)),),
                           response=aegis.ResponseConfig(policy=policy),
                           sampling=aegis.SamplingConfig.every_call())  # fmt: skip
     guard = aegis.protect(model, optimizer=optimizer, config=config)
@@ -700,6 +701,28 @@ def test_the_cost_model_moves_only_as_far_as_the_step_times_resolve():
     ratio = resolved_cost_ratio([100.5, 100.45, 100.55, 100.5, 100.5], [100.0, 100.05, 99.95], expected_ms=1.0)
     assert 0.55 < ratio < 0.6
     assert resolved_cost_ratio([101.0], [100.0, 100.0], expected_ms=1.0) == 1.0  # one step: no spread known
+
+
+def test_a_cost_model_off_by_less_than_one_cycle_resolves_is_corrected_over_the_cycles_pooled():
+    from aegis_sdc.runtime.budget import BudgetController, StepTimer
+
+    # Checks that really cost 1.6× their timed model, in a step whose times spread by ±0.5 ms: one
+    # cycle's interval (±0.97 ms around 1.6 ms) holds the model, so it stays; pooled over the cycles
+    # the interval narrows as √cycles and the model rises to its lower edge, never past the truth.
+    controller = BudgetController(0.01, rotation_steps=100, replan_steps=5, timer=StepTimer(torch.device("cpu")))
+    flops, calls, caps, timed = np.full(4, 1e9), np.ones(4), np.ones(4), np.full(4, 0.5)
+    quiet, spread = [99.5, 100.0, 100.5], [-0.5, 0.0, -1.0, 0.5, 0.0]
+    controller.timer.times_ms = {"quiet": quiet}
+    plan = controller.replan(flops, calls, timed, caps)
+    scales = []
+    for _ in range(8):
+        real = 1.6 * plan.expected_ms / controller.scale  # what the plan's checks really cost per step
+        controller.timer.times_ms = {"quiet": quiet, "busy": [100.0 + real + d for d in spread]}
+        plan = controller.replan(flops, calls, timed, caps)
+        scales.append(controller.scale)
+    assert scales[0] == 1.0  # one cycle resolves nothing
+    assert scales == sorted(scales)  # and it only rises
+    assert 1.2 < scales[-1] < 1.6
 
 
 def test_saved_tensor_steps_are_probed_once_and_paid_from_the_budget():

@@ -9,7 +9,7 @@ site's rotation floor (checked about once per `rotation_steps` steps), sites are
 cap in order of FLOPs per millisecond of check, the last one partly. If even the floors do not fit,
 all floors shrink alike. The step time the budget is a fraction of is measured on steps run without
 sampling (`BudgetController`), and what the plan really cost corrects the cost model each cycle, as
-far as the step times' noise resolves it (`resolved_cost_ratio`). The state sensors (replica vote,
+far as the step times' noise over the last cycles resolves it (`resolved_multiplier`). The state sensors (replica vote,
 update replay, peer replay) are paid first, from their measured cost, up to a share of the budget
 that stretches their periods when they cost more (runtime/sensor_cost.py).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -96,25 +96,48 @@ class StepTimer:
         return self.times_ms.pop(tag, [])
 
 
-def resolved_cost_ratio(busy_ms: list[float], quiet_ms: list[float], expected_ms: float) -> float:
-    """What a cycle's checks really cost against what the plan expected, as far as the step times
-    resolve it: the measured cost is the difference of two medians (steps under the plan, quiet
-    steps), and a 1% budget is ~1.6 ms of a step whose times spread by ±2–3 ms. So the ratio moves
-    only to the edge of its ~95% interval (two standard errors; a median's is √(π/2)·σ/√n), and stays
-    1 when the interval holds 1. Measured on the H200: the bare ratio from 3 quiet steps halved the
-    cost model once (its clip at 0.5), and the plan then spent 2.3% of the step at a 1% budget."""
+def cycle_cost(busy_ms: list[float], quiet_ms: list[float]) -> tuple[float, float]:
+    """What one cycle's checks cost per step as its step times tell it: the difference of two medians
+    (steps under the plan, quiet steps) and that difference's variance (a median's is (π/2)·σ²/n;
+    infinite where one step alone leaves the spread unknown)."""
     spent = statistics.median(busy_ms) - statistics.median(quiet_ms)
-    noise = sum(
+    variance = sum(
         (math.pi / 2) * statistics.variance(t) / len(t) if len(t) > 1 else math.inf for t in (busy_ms, quiet_ms)
     )
-    low, high = (spent - 2 * math.sqrt(noise)) / expected_ms, (spent + 2 * math.sqrt(noise)) / expected_ms
-    if low > 1.0:
-        return low
-    if high < 1.0:
-        return max(high, 0.0)
-    return 1.0
+    return spent, variance
 
 
+def resolved_multiplier(cycles: list[tuple[float, float, float]], current: float) -> float:
+    """The cost model's multiplier — real cost ÷ the timed cost model — from recent cycles (spent ms,
+    its variance, the plan's expected ms before any multiplier), as far as their step times resolve
+    it: pooled, Σ spent ÷ Σ expected with variance Σ var ÷ (Σ expected)², moved only to the edge of its
+    ~95% interval (two standard errors) and not at all while that interval holds `current`. A 1%
+    budget is ~1.6 ms of a step whose times spread by ±2–3 ms, so one cycle alone resolves only a
+    model that is off by twice or more; measured on the H100 (results/e2e_step_h100.json), a plan that
+    really cost ~1.6× its model stayed unresolved cycle after cycle and the 1% budget spent 2.2%.
+    Pooling the last cycles narrows the interval as √cycles. Measured on the H200 before: the bare
+    ratio from 3 quiet steps halved the cost model once, and the plan then spent 2.3% of the step."""
+    known = [(s, v, e) for s, v, e in cycles if math.isfinite(v) and e > 0]
+    expected = sum(e for _, _, e in known)
+    if not known or expected <= 0:
+        return current
+    multiplier = sum(s for s, _, _ in known) / expected
+    half = 2 * math.sqrt(sum(v for _, v, _ in known)) / expected
+    if multiplier - half > current:
+        return multiplier - half
+    if multiplier + half < current:
+        return max(multiplier + half, 0.0)
+    return current
+
+
+def resolved_cost_ratio(busy_ms: list[float], quiet_ms: list[float], expected_ms: float) -> float:
+    """One cycle's real cost against what its plan expected, as far as its step times resolve it (1
+    while the interval holds 1): `resolved_multiplier` of that cycle alone."""
+    spent, variance = cycle_cost(busy_ms, quiet_ms)
+    return resolved_multiplier([(spent, variance, expected_ms)], 1.0)
+
+
+POOLED_CYCLES = 8  # cycles the cost model's multiplier is measured over (the real cost may drift: no more)
 QUIET_STEPS = 3  # steps run without sampling to measure the step itself, before each plan
 QUIET_EXTRA = 10  # more quiet steps, at most, while the device has not finished the first ones
 # Saved-tensor fingerprints sample whole steps, and such a step costs tens of milliseconds on a large
@@ -127,8 +150,8 @@ SAVED_SHARE = 0.2
 class BudgetController:
     """When to plan, and from what: a cycle of `QUIET_STEPS` unsampled steps (the step's own time)
     followed by `replan_steps` steps under the plan (its real cost). The cost model — each site's
-    timed check cost — is scaled by what the last cycle actually cost against what the plan
-    expected, so that costs the micro-timings miss (caches, the step-end work) are paid for from
+    timed check cost — is scaled by what the last cycles actually cost against what their plans
+    expected (`resolved_multiplier`), so that costs the micro-timings miss (caches, the step-end work) are paid for from
     the budget too.
 
     Saved-tensor fingerprints (`saved_probability` > 0: the configured share of steps) are paid from
@@ -143,7 +166,7 @@ class BudgetController:
     timer: StepTimer
     saved_probability: float = 0.0  # configured share of steps whose saved tensors are fingerprinted
     plan: BudgetPlan | None = None
-    scale: float = 1.0  # measured / predicted cost of the last cycle, compounded
+    scale: float = 1.0  # the cost model's multiplier: real ÷ timed cost, over the last POOLED_CYCLES cycles
     base_ms: float | None = None
     saved_cost_ms: float | None = None  # what a saved-tensor step adds (the probe's time over quiet)
     saved_planned: float | None = None  # the share of saved-tensor steps the plan allows
@@ -151,6 +174,7 @@ class BudgetController:
     sensors_ms: float = 0.0  # what the state sensors are expected to spend per step at that factor
     _phase: str = "calibrating"
     _left: int = 0
+    _cycles: list[tuple[float, float, float]] = field(default_factory=list)  # resolved_multiplier's
     _probed: bool = False  # the one probe step ran (its time may reach a later replan: the device's pace)
 
     def step_begins(self, calibrating: bool) -> str:
@@ -216,8 +240,11 @@ class BudgetController:
             self.saved_planned = min(self.saved_probability, affordable)
             saved_ms = self.saved_planned * self.saved_cost_ms
         if self.plan is not None and busy and self.plan.expected_ms > 0:
-            ratio = resolved_cost_ratio(busy, quiet, self.plan.expected_ms)
-            self.scale = float(np.clip(self.scale * np.clip(ratio, 0.5, 4.0), 0.25, 16.0))
+            spent, variance = cycle_cost(busy, quiet)
+            self._cycles = [*self._cycles, (spent, variance, self.plan.expected_ms / self.scale)][-POOLED_CYCLES:]
+            multiplier = resolved_multiplier(self._cycles, self.scale)
+            # at most ×4 or ÷2 per cycle, and within [0.25, 16] of the timed costs
+            self.scale = float(np.clip(np.clip(multiplier, 0.5 * self.scale, 4.0 * self.scale), 0.25, 16.0))
         self.sensor_stretch = stretch_for(sensors_ms_at_base, allowed)
         self.sensors_ms = sensors_ms_at_base / self.sensor_stretch
         self.base_ms = base
