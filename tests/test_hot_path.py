@@ -687,20 +687,21 @@ def test_the_budget_cycle_measures_quiet_steps_then_plans_and_corrects_its_cost_
 def test_the_cost_model_moves_only_as_far_as_the_step_times_resolve():
     import statistics
 
-    from aegis_sdc.runtime.budget import resolved_cost_ratio
+    from aegis_sdc.runtime.budget import cycle_cost, resolved_multiplier
+
+    def one_cycle(busy, quiet):  # one cycle's multiplier, its plan expecting 1 ms, the model at ×1
+        return resolved_multiplier([(*cycle_cost(busy, quiet), 1.0)], 1.0)
 
     # A 1% budget is 1 ms of a 100 ms step, whose times spread by ±2 ms: a cycle that seems to have
     # cost half of the plan cannot be told from one that cost exactly the plan — the model stays.
     quiet, busy = [98.0, 102.0, 100.0], [99.0, 103.0, 100.5, 98.5, 101.5]
     assert statistics.median(busy) - statistics.median(quiet) == pytest.approx(0.5)
-    assert resolved_cost_ratio(busy, quiet, expected_ms=1.0) == 1.0
+    assert one_cycle(busy, quiet) == 1.0
     # A cycle that clearly cost 3× the plan raises it to the lower edge of its interval (2σ ≈ 0.17 ms)...
-    ratio = resolved_cost_ratio([103.0, 103.1, 102.9, 103.0, 103.05], [100.0, 100.1, 99.9], expected_ms=1.0)
-    assert 2.8 < ratio < 3.0
+    assert 2.8 < one_cycle([103.0, 103.1, 102.9, 103.0, 103.05], [100.0, 100.1, 99.9]) < 3.0
     # ...and one that clearly cost half of it lowers it only to the upper edge (2σ ≈ 0.08 ms).
-    ratio = resolved_cost_ratio([100.5, 100.45, 100.55, 100.5, 100.5], [100.0, 100.05, 99.95], expected_ms=1.0)
-    assert 0.55 < ratio < 0.6
-    assert resolved_cost_ratio([101.0], [100.0, 100.0], expected_ms=1.0) == 1.0  # one step: no spread known
+    assert 0.55 < one_cycle([100.5, 100.45, 100.55, 100.5, 100.5], [100.0, 100.05, 99.95]) < 0.6
+    assert one_cycle([101.0], [100.0, 100.0]) == 1.0  # one step: no spread known
 
 
 def test_a_cost_model_off_by_less_than_one_cycle_resolves_is_corrected_over_the_cycles_pooled():

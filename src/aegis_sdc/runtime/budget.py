@@ -8,10 +8,10 @@ probabilities p to maximize the checked FLOPs Σ p·c·f subject to
 site's rotation floor (checked about once per `rotation_steps` steps), sites are raised to their
 cap in order of FLOPs per millisecond of check, the last one partly. If even the floors do not fit,
 all floors shrink alike. The step time the budget is a fraction of is measured on steps run without
-sampling (`BudgetController`), and what the plan really cost corrects the cost model each cycle, as
-far as the step times' noise over the last cycles resolves it (`resolved_multiplier`). The state sensors (replica vote,
-update replay, peer replay) are paid first, from their measured cost, up to a share of the budget
-that stretches their periods when they cost more (runtime/sensor_cost.py).
+sampling (`BudgetController`), and what the plans really cost corrects the cost model each cycle,
+as far as the step times' noise over the last cycles resolves it (`resolved_multiplier`). The state
+sensors (replica vote, update replay, peer replay) are paid first, from their measured cost, up to a
+share of the budget that stretches their periods when they cost more (runtime/sensor_cost.py).
 """
 
 from __future__ import annotations
@@ -130,13 +130,6 @@ def resolved_multiplier(cycles: list[tuple[float, float, float]], current: float
     return current
 
 
-def resolved_cost_ratio(busy_ms: list[float], quiet_ms: list[float], expected_ms: float) -> float:
-    """One cycle's real cost against what its plan expected, as far as its step times resolve it (1
-    while the interval holds 1): `resolved_multiplier` of that cycle alone."""
-    spent, variance = cycle_cost(busy_ms, quiet_ms)
-    return resolved_multiplier([(spent, variance, expected_ms)], 1.0)
-
-
 POOLED_CYCLES = 8  # cycles the cost model's multiplier is measured over (the real cost may drift: no more)
 QUIET_STEPS = 3  # steps run without sampling to measure the step itself, before each plan
 QUIET_EXTRA = 10  # more quiet steps, at most, while the device has not finished the first ones
@@ -151,8 +144,8 @@ class BudgetController:
     """When to plan, and from what: a cycle of `QUIET_STEPS` unsampled steps (the step's own time)
     followed by `replan_steps` steps under the plan (its real cost). The cost model — each site's
     timed check cost — is scaled by what the last cycles actually cost against what their plans
-    expected (`resolved_multiplier`), so that costs the micro-timings miss (caches, the step-end work) are paid for from
-    the budget too.
+    expected (`resolved_multiplier`), so that costs the micro-timings miss (caches, the step-end
+    work) are paid for from the budget too.
 
     Saved-tensor fingerprints (`saved_probability` > 0: the configured share of steps) are paid from
     the same budget: the first cycle ends its quiet steps with one "probe" step that fingerprints the
