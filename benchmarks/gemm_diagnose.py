@@ -17,7 +17,8 @@ specialization of the tile loop, and whether its output is bit-identical.
 
 `--side-groups 1,2,4,8`: the reference side's slices taken by every g-th tile of a block, g times as
 long (TritonGemmConfig.side_group), for each g: the side and partials alone, the training step's
-checked launch, and the wgrad's row+col.
+checked launch, and the wgrad's row+col. The value `loop` is the row side inside every tile's K loop
+instead (TritonGemmConfig.side_in_loop): `--layers kv,7b.kv,70b.kv,q_o --side-groups 1,loop`.
 
     python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--evidence-parts [--parts a,b] | --warp-specialized
         | --side-groups 1,2,4] [--out benchmarks/results/gemm_diagnose.json]
@@ -35,17 +36,20 @@ from gemm import Case
 
 from aegis_sdc.kernels import triton_gemm as tg
 
-SHAPES = [("gate_up", 8192, 2048, 5632), ("q_o", 8192, 2048, 2048), ("kv", 8192, 2048, 256), ("8b.o", 8192, 4096, 4096)]
+SHAPES = [("gate_up", 8192, 2048, 5632), ("q_o", 8192, 2048, 2048), ("kv", 8192, 2048, 256), ("8b.o", 8192, 4096, 4096),
+          ("7b.kv", 8192, 3584, 512), ("70b.kv", 8192, 8192, 128)]  # fmt: skip
 
 
-def variants(case: Case, warp_specialized: bool = False, stages: int | None = None, side_group: int = 1) -> dict:
+def variants(case: Case, warp_specialized: bool = False, stages: int | None = None, side_group: int | str = 1) -> dict:
     """The variants by name; with `warp_specialized`, the same parts on the kernel with its tile loop
     warp-specialized (`_KERNEL_CHANGES["warp_specialized"]`: Triton's Hopper partitioning, a producer
     warp group for the TMA loads and two consumer warp groups that split the tile's rows; one warp
     group per consumer: num_warps = 4). `side_group`: TritonGemmConfig.side_group (every g-th tile
-    computes a reference-side slice g times as long)."""
+    computes a reference-side slice g times as long), or "loop": the row side in the K loop
+    (TritonGemmConfig.side_in_loop)."""
     a, b, out = case.a, case.b, case.out
-    cfg = dataclasses.replace(case.cfg, side_group=side_group)
+    in_loop = side_group == "loop"
+    cfg = dataclasses.replace(case.cfg, side_group=1 if in_loop else side_group, side_in_loop=in_loop)
     kernels = tg
     if warp_specialized:
         kernels = _kernel_module_changed("warp_specialized")
@@ -276,7 +280,7 @@ def main() -> None:
             if args.side_groups:
                 swept = ("side_and_partials", "row_byproduct_inline", "rowcol")
                 chosen = {"unchecked": chosen["unchecked"]} | {
-                    f"{key}_g{g}": fn for g in map(int, args.side_groups.split(","))
+                    f"{key}_g{g}": fn for g in (v if v == "loop" else int(v) for v in args.side_groups.split(","))
                     for key, fn in variants(case, side_group=g).items() if key in swept
                 }  # fmt: skip
             if args.evidence_parts:

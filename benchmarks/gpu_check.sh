@@ -11,6 +11,9 @@
 #                 GPU tests (about 3 minutes) and the inline-against-second-launch shadow of a real step
 #   side-groups   the reference side's slices taken by every g-th tile, g = 1, 2, 4, 8
 #                 (benchmarks/gemm_diagnose.py --side-groups → results/gemm_diagnose_side_groups.json)
+#   side-in-loop  the row side inside the K loop against its slices after it, on the GQA k/v shapes and q/o
+#                 (gemm_diagnose.py --side-groups 1,loop → results/gemm_diagnose_side_in_loop.json), then the
+#                 GEMM's GPU tests (replays bit-exact across the shape table, the in-loop side too)
 #   tune          choose the configuration per shape class (benchmarks/gemm_tune.py → results/gemm_tune.json)
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
 #   sensitivity   detection at r = 1 and false alarms at three shape classes (results/sensitivity.json)
@@ -94,6 +97,13 @@ case "${1:-tests-1}" in
       --out benchmarks/results/gemm_diagnose_side_groups.json 2>&1 | grep -v "Warn\|^kernel regs" \
       | tee "$out/gemm_diagnose_side_groups.log" | tail -12
     cp benchmarks/results/gemm_diagnose_side_groups.json "$out/" 2>/dev/null ;;
+  side-in-loop)
+    timeout 240 python benchmarks/gemm_diagnose.py --layers kv,7b.kv,70b.kv,q_o --side-groups 1,loop \
+      --out benchmarks/results/gemm_diagnose_side_in_loop.json 2>&1 | grep -v "Warn\|^kernel regs" \
+      | tee "$out/gemm_diagnose_side_in_loop.log" | tail -12
+    cp benchmarks/results/gemm_diagnose_side_in_loop.json "$out/" 2>/dev/null
+    timeout 300 python -m pytest -q -m gpu tests/test_triton_gemm.py -p no:cacheprovider 2>&1 \
+      | tee "$out/gemm_gpu_tests.log" | tail -8 ;;
   tune)
     timeout 570 python benchmarks/gemm_tune.py --out "$out/gemm_tune.json" 2>&1 | tee "$out/gemm_tune.log" ;;
   gemm-1)
@@ -201,5 +211,5 @@ case "${1:-tests-1}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 budget-costs|kernel|evidence|diagnose|evidence-parts|side-groups|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 budget-costs|side-in-loop|kernel|evidence|diagnose|evidence-parts|side-groups|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac

@@ -149,18 +149,29 @@ def test_values_and_checksums_match_the_reference_path(kind, dtype, shape):
     assert counters.abs().sum() == 0
 
 
+def with_side(cfg: tg.TritonGemmConfig, side: int | str) -> tg.TritonGemmConfig:
+    """`cfg` with its row side after the K loop in slices of `side` tiles (TritonGemmConfig.side_group),
+    or, "loop", inside the K loop (side_in_loop)."""
+    if side == "loop":
+        return dataclasses.replace(cfg, side_in_loop=True)
+    return dataclasses.replace(cfg, side_group=side)
+
+
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
-@pytest.mark.parametrize(("model", "side_group"), [(tg.FAULT_PERTURB, 1), (tg.FAULT_BITFLIP, 1), (tg.FAULT_BITFLIP, 2)])
+@pytest.mark.parametrize(
+    ("model", "side"), [(tg.FAULT_PERTURB, 1), (tg.FAULT_BITFLIP, 1), (tg.FAULT_BITFLIP, 2), (tg.FAULT_BITFLIP, "loop")]
+)
 # A flipped exponent bit can make the corrupted element overflow in the bf16 output cast: that inf is
 # the corruption itself, and the interpreter warns about it in numpy.
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-def test_a_fault_is_detected_located_captured_and_replayed(kind, model, side_group):
-    # side_group 2: every other tile computes a reference-side slice twice as long (TritonGemmConfig)
+def test_a_fault_is_detected_located_captured_and_replayed(kind, model, side):
+    # side 2: every other tile computes a reference-side slice twice as long; "loop": every tile the
+    # whole row side inside its K loop (TritonGemmConfig)
     m, k, n = 64, 48, 96
     dtype = torch.float16
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=4)
     fault = (model, 41, 70, 3.0, 1 << 27)
-    cfg = dataclasses.replace(tg.config_for(m, n, k), side_group=side_group)
+    cfg = with_side(tg.config_for(m, n, k), side)
     _, _, stats, _, call = launch(a, b, flags, logical, dtype, fault=fault, thresholds=(40.0, 40.0), cfg=cfg)
     ev = decode(stats)
     assert ev["alarm"] == 3 and ev["slot"] == 1
@@ -179,14 +190,14 @@ def test_a_fault_is_detected_located_captured_and_replayed(kind, model, side_gro
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
 @pytest.mark.parametrize(
-    ("dtype", "side_group"),
-    [(torch.float16, 1), (torch.float16, 3),
+    ("dtype", "side"),
+    [(torch.float16, 1), (torch.float16, 3), (torch.float16, "loop"),
      pytest.param(torch.float32, 1, marks=pytest.mark.skipif(DEVICE == "cuda", reason="fp32 runs on cuBLAS on a GPU"))],
 )  # fmt: skip
-def test_clean_captures_replay_bit_for_bit(kind, dtype, side_group):
+def test_clean_captures_replay_bit_for_bit(kind, dtype, side):
     m, k, n = 72, 32, 64
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=9)
-    cfg = dataclasses.replace(tg.config_for(m, n, k), side_group=side_group)
+    cfg = with_side(tg.config_for(m, n, k), side)
     _, _, stats, _, call = launch(a, b, flags, logical, dtype, thresholds=(0.0, 0.0), cfg=cfg)  # force a capture
     ev = decode(stats)
     assert ev["alarm"] != 0 and ev["slot"] == 1
@@ -211,14 +222,15 @@ _FEW_TILES, _MANY_TILES = (64, 48, 96), (288, 32, 640)
 # every kind and way on few tiles; on many (10 s each on the interpreter), the atomic totals both kinds,
 # the stored parts the wgrad, whose launch finishes row and column blocks from them
 @pytest.mark.parametrize(
-    ("kind", "mkn", "totals", "side_group"),
+    ("kind", "mkn", "totals", "side"),
     [(kind, _FEW_TILES, totals, 1) for kind in ("fwd", "wgrad") for totals in (True, False)]
     + [("fwd", _MANY_TILES, True, 1), ("wgrad", _MANY_TILES, True, 1), ("wgrad", _MANY_TILES, False, 1),
-       ("wgrad", _MANY_TILES, False, 4)],
+       ("wgrad", _MANY_TILES, False, 4), ("fwd", _FEW_TILES, True, "loop"), ("wgrad", _FEW_TILES, False, "loop")],
     ids=["few-fwd-totals", "few-fwd-parts", "few-wgrad-totals", "few-wgrad-parts", "many-fwd-totals",
-         "many-wgrad-totals", "many-wgrad-parts", "many-wgrad-parts-side-group-4"],
+         "many-wgrad-totals", "many-wgrad-parts", "many-wgrad-parts-side-group-4", "few-fwd-totals-side-in-loop",
+         "few-wgrad-parts-side-in-loop"],
 )  # fmt: skip
-def test_inline_and_separate_evidence_agree(kind, mkn, totals, side_group):
+def test_inline_and_separate_evidence_agree(kind, mkn, totals, side):
     # The verdict, indices and capture are the same whether the programs that complete the blocks
     # judge them inside the launch or a second launch sums the tiles' parts. From fp64 totals the
     # tiles add atomically in arrival order (`totals`), the maxima agree to fp64 rounding of that
@@ -229,7 +241,7 @@ def test_inline_and_separate_evidence_agree(kind, mkn, totals, side_group):
     # vectors and completes several blocks.
     a, b, flags, logical = orientation(kind, *mkn, torch.float16, seed=3)
     fault = (tg.FAULT_PERTURB, 17, 50, 2.0, 0)
-    base = dataclasses.replace(tg.default_config(), side_group=side_group)
+    base = with_side(tg.default_config(), side)
     inline_cfg = dataclasses.replace(base, inline_evidence=True, inline_totals=totals)
     separate_cfg = dataclasses.replace(base, inline_evidence=False)
     runs = [launch(a, b, flags, logical, torch.float16, fault=fault, thresholds=(40.0, 40.0), cfg=cfg)
@@ -323,17 +335,18 @@ def test_the_reference_side_is_spread_over_the_tiles_by_k_slices(kind):
     # u1ᵀB): as many slices as tiles, each within an fp32 chain's bound of its exact slice sum, and
     # the same whatever the tiling (two column-tile widths give 3 and 2 slices of 5 K tiles).
     # With side_group g every g-th tile computes one of ⌈tiles/g⌉ longer slices (3 column tiles, g = 2:
-    # 2 slices; 2 row tiles: 1).
+    # 2 slices; 2 row tiles: 1). With the row side in the K loop, one slice of all of K.
     m, k, n = 64, 80, 96  # 5 K tiles of 16
     a, b, flags, logical = orientation(kind, m, k, n, torch.float16, seed=5)
     A64, B64 = logical[0].double().cpu(), logical[1].double().cpu()
     c, u1 = B64.sum(1), A64.sum(0)
-    for block_n, side_group in ((32, 1), (64, 1), (32, 2)):
-        cfg = dataclasses.replace(tg.default_config(), block_n=block_n, side_group=side_group)
+    for block_n, side in ((32, 1), (64, 1), (32, 2), (32, "loop")):
+        cfg = with_side(dataclasses.replace(tg.default_config(), block_n=block_n), side)
         _, res, stats, *_ = launch(a, b, flags, logical, torch.float16, cfg=cfg)
         tiles_m, tiles_n = -(-m // cfg.block_m), -(-n // block_n)
-        parts = -(-tiles_n // side_group)
-        assert res.rowref_parts.shape == (parts, m) and res.colref_parts.shape == (-(-tiles_m // side_group), n)
+        parts = 1 if side == "loop" else -(-tiles_n // side)
+        col_parts = -(-tiles_m // cfg.side_group)
+        assert res.rowref_parts.shape == (parts, m) and res.colref_parts.shape == (col_parts, n)
         k_tiles = -(-k // cfg.block_k)
         for j in range(parts):  # slice j: K tiles [j·k_tiles/parts, (j+1)·k_tiles/parts)
             ks = slice(j * k_tiles // parts * cfg.block_k, (j + 1) * k_tiles // parts * cfg.block_k)
@@ -491,21 +504,22 @@ SHAPE_TABLE = [(2048, 2048, 256), (2048, 8192, 128), (8192, 3584, 512), (4096, 4
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("side_group", [1, 4])
+@pytest.mark.parametrize("side", [1, 4, "loop"])
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
 @pytest.mark.parametrize("shape", SHAPE_TABLE, ids=lambda s: "x".join(map(str, s)))
-def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape, side_group):
+def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape, side):
     # A fault in the last tile (neither row block 0 nor column block 0, where they exist: that tile ran
     # the plain K loop, its replay the loop with both reference sides) is detected at its row (and, with
     # a column check, its column); the replay differs from the capture in the faulted row and column
     # only: every other accumulator sum and both reference sides are bit for bit the original's. With
-    # side_group 4, every fourth tile of a block computes the side's slices (TritonGemmConfig).
+    # side 4, every fourth tile of a block computes the side's slices; "loop", every tile the row side
+    # in its K loop (TritonGemmConfig).
     m, k, n = shape
     dtype = torch.bfloat16
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=11)
     rows, cols = logical[0].shape[0], logical[1].shape[1]
     col = kind != "dgrad"  # wgrad's default column check, and the forward's optional one
-    cfg = dataclasses.replace(tg.config_for(rows, cols, logical[0].shape[1]), side_group=side_group)
+    cfg = with_side(tg.config_for(rows, cols, logical[0].shape[1]), side)
     *_, stats, _, _ = launch(a, b, flags, logical, dtype, thresholds=(1e9, 1e9), col=col, cfg=cfg)
     clean = decode(stats)
     assert clean["alarm"] == 0 and clean["nonfinite"] == 0, clean

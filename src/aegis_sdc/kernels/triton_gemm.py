@@ -114,15 +114,22 @@ def _load_b(b_desc, off_n, k, B_T: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _main_loop(a_desc, b_desc, off_m, off_n, k_tiles, A_T: tl.constexpr, B_T: tl.constexpr, UPCAST: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+def _main_loop(a_desc, b_desc, s_desc, off_m, off_n, k_tiles, A_T: tl.constexpr, B_T: tl.constexpr,
+               SIDE_IN_LOOP: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr):  # fmt: skip
     """acc [BM, BN] = A·B of one tile, its K tiles in one fixed order: the unchecked GEMM's loop, one
-    MMA per step (the checks add nothing inside it: a narrow side MMA on the steps of the tile's K
-    slice, tried on the H200, made the loop 10–50% slower than the side after it)."""
+    MMA per step (a narrow side MMA on the steps of the tile's K slice, tried on the H200, made the
+    loop 10–50% slower than the side after it). SIDE_IN_LOOP (TritonGemmConfig.side_in_loop): also
+    side [BM, 16] = A·S over all of K, a second MMA on the A tile each step has loaded — for the
+    narrow classes, where a slice after the loop re-reads a large share of A."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    side = tl.zeros((BM, SIDE_N), dtype=tl.float32)
     for ki in range(k_tiles):
-        acc = tl.dot(_load_a(a_desc, off_m, ki * BK, A_T, UPCAST), _load_b(b_desc, off_n, ki * BK, B_T, UPCAST), acc)
-    return acc
+        a = _load_a(a_desc, off_m, ki * BK, A_T, UPCAST)
+        acc = tl.dot(a, _load_b(b_desc, off_n, ki * BK, B_T, UPCAST), acc)
+        if SIDE_IN_LOOP:
+            side = tl.dot(a, load_side(s_desc, ki * BK, UPCAST), side)
+    return acc, side
 
 
 @triton.jit
@@ -132,15 +139,23 @@ def _side_part(x_desc, s_desc, scale_ptr, off, part, parts, k_tiles, ref_ptr, on
                BK: tl.constexpr):  # fmt: skip
     """One K slice of a reference side: X·S over K tiles [part·k_tiles/parts, (part+1)·k_tiles/parts)
     for the R rows of X from `off` — X = A's row block (ROW) or Bᵀ's column block — in one fp32
-    chain, re-reading the slice's X tiles; then in fp64 to ref_ptr[part, off:off+R] (and the ones
-    column to ones_ptr), and where the evidence inside the launch reads them, subtracted from the
-    difference totals and the ones added to theirs (gemm_evidence.finish_rows)."""
+    chain, re-reading the slice's X tiles; then stored (`_store_side_part`)."""
     k_lo = part * k_tiles // parts
     k_hi = (part + 1) * k_tiles // parts
     side = tl.zeros((R, SIDE_N), dtype=tl.float32)
     for ki in range(k_lo, k_hi):
         x = _load_a(x_desc, off, ki * BK, X_T, UPCAST) if ROW else tl.trans(_load_b(x_desc, off, ki * BK, X_T, UPCAST))
         side = tl.dot(x, load_side(s_desc, ki * BK, UPCAST), side)
+    _store_side_part(side, scale_ptr, off, part, ref_ptr, ones_ptr, diff_total_ptr, ones_total_ptr, size, ONES,
+                     REF_TOTAL, ONES_TOTAL, R)  # fmt: skip
+
+
+@triton.jit
+def _store_side_part(side, scale_ptr, off, part, ref_ptr, ones_ptr, diff_total_ptr, ones_total_ptr, size,
+                     ONES: tl.constexpr, REF_TOTAL: tl.constexpr, ONES_TOTAL: tl.constexpr, R: tl.constexpr):  # fmt: skip
+    """A side slice's X·S [R, 16] in fp64 to ref_ptr[part, off:off+R] (and the ones column to
+    ones_ptr), and where the evidence inside the launch reads them, subtracted from the difference
+    totals and the ones added to theirs (gemm_evidence.finish_rows)."""
     ref, ones = side_columns(side.to(tl.float64), tl.load(scale_ptr))
     offs = off + tl.arange(0, R)
     mask = offs < size
@@ -324,6 +339,7 @@ def checked_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     ROW_CHECK: tl.constexpr,  # row partials (and row evidence)
     ROW_SIDE: tl.constexpr,  # A·c and A·1
+    SIDE_IN_LOOP: tl.constexpr,  # (ROW_SIDE) A·S in the K loop of every tile, one slice (TritonGemmConfig)
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
     EVIDENCE: tl.constexpr,  # evidence and by-product finished inside this launch (gemm_evidence)
@@ -367,7 +383,8 @@ def checked_gemm_kernel(
         pid_m, pid_n = _tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
-        acc = _main_loop(a_desc, b_desc, off_m, off_n, k_tiles, A_T, B_T, UPCAST, BM, BN, BK)
+        acc, side = _main_loop(a_desc, b_desc, side_c_desc, off_m, off_n, k_tiles, A_T, B_T, ROW_SIDE and SIDE_IN_LOOP,
+                               UPCAST, BM, BN, BK)  # fmt: skip
         offs_m = off_m + tl.arange(0, BM)
         offs_n = off_n + tl.arange(0, BN)
         mask_m = offs_m < M
@@ -409,7 +426,13 @@ def checked_gemm_kernel(
         # With side_group g > 1 (TritonGemmConfig) only every g-th tile of a row (column) block takes a
         # slice, g times as long: row_parts = ⌈tiles_n / g⌉ slices, slice p in the tile of column block
         # p·⌈tiles_n / row_parts⌉ — fewer slice loops, each paying its first loads' latency once.
-        if ROW_SIDE:
+        if ROW_SIDE and SIDE_IN_LOOP:
+            # every tile of the row block computed A·S over all of K in its loop; one slice (row_parts
+            # = 1), kept by the tile of column block 0, or by a replay of any tile
+            if pid_n == 0 or replay:
+                _store_side_part(side, c_scale_ptr, off_m, 0, rowref_ptr, rowones_ptr, row_diff, ones_total, M, True,
+                                 TOTALS and ROW_CHECK, TOTALS and (BYPRODUCT or SIDE_OUT), BM)  # fmt: skip
+        elif ROW_SIDE:
             first, stop = _slices_of(pid_n, tiles_n, row_parts, replay)
             for part in range(first, stop):
                 _side_part(a_desc, side_c_desc, c_scale_ptr, off_m, part, row_parts, k_tiles, rowref_ptr, rowones_ptr,
@@ -482,6 +505,13 @@ class TritonGemmConfig:
     # it fewer times, at the price of tiles that run longer than their neighbours. Part of the
     # configuration because the slices' fp32 chains, and so the bits a replay compares, depend on it.
     side_group: int = 1
+    # The row side A·S in the K loop instead: every tile runs a second, narrow MMA [BM, 16] on each A
+    # tile it loads, over all of K, and the tile of column block 0 keeps it (one slice). Costs every
+    # tile a narrow MMA per K step (8–28% of a wide GEMM on the H200: docs/gpu.md) but no re-read of
+    # A — for the narrow classes (tiles_n ≤ 2), where the slice after the loop re-reads 1/tiles_n of
+    # A's row block from L2 (a tile-local side in the loop ran GQA k/v forward at 0.43 of cuBLAS where
+    # the slices ran it at 0.31: results/gemm_tile_check.json). The column side stays after the loop.
+    side_in_loop: bool = False
 
 
 # Hopper: 128×256×64 tiles, 8 warps, 3 stages run bf16 GEMMs at cuBLAS speed on the H200.
@@ -577,7 +607,7 @@ class CapturePool:
         """(data_len, f32_len) one capture of this GEMM needs (see gemm_evidence._capture)."""
         bm, bn = cfg.block_m, cfg.block_n
         tiles_m, tiles_n = -(-m // bm), -(-n // bn)
-        row_parts, col_parts = side_parts(tiles_n, cfg), side_parts(tiles_m, cfg)
+        row_parts, col_parts = row_side_parts(tiles_n, cfg), side_parts(tiles_m, cfg)
         if capture == CAPTURE_TILE:
             return bm * k + bn * k, (2 + row_parts) * bm + (1 + col_parts) * bn
         return bm * k, (2 * tiles_n + row_parts) * bm
@@ -592,8 +622,13 @@ class CapturePool:
 
 
 def side_parts(tiles: int, cfg: TritonGemmConfig) -> int:
-    """K slices of a reference side over `tiles` tiles (row side: tiles_n; column side: tiles_m)."""
+    """K slices of the column side over `tiles` = tiles_m tiles (and of the row side: `row_side_parts`)."""
     return ceil_div(tiles, cfg.side_group)
+
+
+def row_side_parts(tiles_n: int, cfg: TritonGemmConfig) -> int:
+    """K slices of the row side over tiles_n tiles: one when it runs in the K loop (`side_in_loop`)."""
+    return 1 if cfg.side_in_loop else side_parts(tiles_n, cfg)
 
 
 def counters_needed(m: int, n: int, cfg: TritonGemmConfig) -> int:
@@ -827,7 +862,7 @@ class _Layout:
          stride_c) = key  # fmt: skip
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         tiles_m, tiles_n = ceil_div(m, bm), ceil_div(n, bn)
-        row_parts = row_parts or side_parts(tiles_n, cfg)
+        row_parts = row_parts or row_side_parts(tiles_n, cfg)
         col_parts = col_parts or side_parts(tiles_m, cfg)
         if has_side_out and a_dtype != torch.bfloat16:
             raise ValueError("the kernel writes S(A·1) for bf16 operands only (fp16 needs a scale: SideMatrix.of)")
@@ -865,6 +900,7 @@ class _Layout:
             HAS_BIAS=bias_dtype is not None,
             ROW_CHECK=row_check,
             ROW_SIDE=row_side,
+            SIDE_IN_LOOP=row_side and cfg.side_in_loop,
             COL_CHECK=col_check,
             FAULT=model,
             EVIDENCE=inline,

@@ -93,7 +93,7 @@ class TritonGemmCapture(ReferencedOperands):
         bm, bn, k = cfg.block_m, cfg.block_n, call.k
         self.tiles_m, self.tiles_n = -(-call.m // bm), -(-call.n // bn)
         # the reference sides' K slices as the launch computed them (TritonGemmConfig.side_group)
-        self.row_parts, self.col_parts = tg.side_parts(self.tiles_n, cfg), tg.side_parts(self.tiles_m, cfg)
+        self.row_parts, self.col_parts = tg.row_side_parts(self.tiles_n, cfg), tg.side_parts(self.tiles_m, cfg)
         self.row_block = row_index // bm
         self.col_block = col_index // bn
         r0 = self.row_block * bm
@@ -161,7 +161,7 @@ class TritonGemmCapture(ReferencedOperands):
         bm, bn = cfg.block_m, cfg.block_n
         self.call = call
         self.tiles_m, self.tiles_n = -(-call.m // bm), -(-call.n // bn)
-        self.row_parts, self.col_parts = tg.side_parts(self.tiles_n, cfg), tg.side_parts(self.tiles_m, cfg)
+        self.row_parts, self.col_parts = tg.row_side_parts(self.tiles_n, cfg), tg.side_parts(self.tiles_m, cfg)
         self.row_block, self.col_block = row_block, col_block
         r0 = row_block * bm
         self.rows = min(bm, call.m - r0)
