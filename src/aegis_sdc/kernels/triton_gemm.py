@@ -383,8 +383,8 @@ def checked_gemm_kernel(
         pid_m, pid_n = _tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
-        acc, side = _main_loop(a_desc, b_desc, side_c_desc, off_m, off_n, k_tiles, A_T, B_T, ROW_SIDE and SIDE_IN_LOOP,
-                               UPCAST, BM, BN, BK)  # fmt: skip
+        acc, side = _main_loop(a_desc, b_desc, side_c_desc, off_m, off_n, k_tiles, A_T, B_T, SIDE_IN_LOOP, UPCAST, BM,
+                               BN, BK)  # fmt: skip
         offs_m = off_m + tl.arange(0, BM)
         offs_n = off_n + tl.arange(0, BN)
         mask_m = offs_m < M
@@ -426,7 +426,7 @@ def checked_gemm_kernel(
         # With side_group g > 1 (TritonGemmConfig) only every g-th tile of a row (column) block takes a
         # slice, g times as long: row_parts = ⌈tiles_n / g⌉ slices, slice p in the tile of column block
         # p·⌈tiles_n / row_parts⌉ — fewer slice loops, each paying its first loads' latency once.
-        if ROW_SIDE and SIDE_IN_LOOP:
+        if SIDE_IN_LOOP:  # (set only with ROW_SIDE)
             # every tile of the row block computed A·S over all of K in its loop; one slice (row_parts
             # = 1), kept by the tile of column block 0, or by a replay of any tile
             if pid_n == 0 or replay:

@@ -118,9 +118,9 @@ def resolved_multiplier(cycles: list[tuple[float, float, float]], current: float
     Pooling the last cycles narrows the interval as √cycles. Measured on the H200 before: the bare
     ratio from 3 quiet steps halved the cost model once, and the plan then spent 2.3% of the step."""
     known = [(s, v, e) for s, v, e in cycles if math.isfinite(v) and e > 0]
-    expected = sum(e for _, _, e in known)
-    if not known or expected <= 0:
+    if not known:
         return current
+    expected = sum(e for _, _, e in known)
     multiplier = sum(s for s, _, _ in known) / expected
     half = 2 * math.sqrt(sum(v for _, v, _ in known)) / expected
     if multiplier - half > current:
