@@ -493,6 +493,36 @@ def test_fullgraph_compiles_a_protected_hugging_face_llama_and_names_its_attenti
     assert all("traced by torch.compile" in named[f"model.layers.{i}.self_attn:attn_bwd"] for i in range(2))
 
 
+def test_two_protected_models_compiled_in_one_process_report_to_their_own_guards(tmp_path):
+    # Hugging Face slices its ModuleList of layers on every forward, which calls torch's module
+    # registration hooks inside the traced graph; the guard's hook once handed Dynamo a global path to
+    # the first protected model's modules there, and every later compiled copy ran the first one's
+    # graph: its checks reported to the first guard, its own guard saw no step (a budget and a full
+    # configuration benchmarked after a p = 0 one checked nothing).
+    pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    site = "model.layers.0.mlp.down_proj:fwd"
+    runs = []
+    for i, faults in enumerate(((), (aegis.FaultSpec(site=site, model="bitflip", bit=28, steps=(3,)),))):
+        model = hf_llama(num_hidden_layers=1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path / str(i), faults=faults))
+        runs.append((torch.compile(model, backend="aot_eager"), optimizer, guard))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for compiled, optimizer, _ in runs:  # interleaved, as a benchmark's configurations are
+            ids = torch.randint(0, 128, (2, 16), generator=gen)
+            compiled(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    (_, _, first), (_, _, second) = runs
+    summaries = [first.close(), second.close()]
+    assert [s.steps for s in summaries] == [5, 5]
+    assert summaries[0].checks == summaries[1].checks > 0  # the same sites, every call checked in both
+    assert first.incidents == [] and summaries[0].false_alarms == 0
+    assert [(i.site.name, i.step) for i in second.incidents] == [(site, 3)] and summaries[1].false_alarms == 0
+
+
 def test_the_fingerprint_checks_a_compiled_graph_runs_without_are_named(tmp_path):
     # The recompute and saved-tensor fingerprints are eager-mode checks: inside a compiled graph the
     # compiler recomputes and keeps the saved tensors. Named after the first step, one warning each.

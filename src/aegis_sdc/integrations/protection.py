@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
@@ -234,6 +235,14 @@ class LateModules:
         self._handle.remove()
 
     def _assigned(self, parent: nn.Module, attr: str, child: nn.Module | None) -> None:
+        if torch.compiler.is_compiling():
+            # A compiled forward's assignments are temporaries (HF slices its ModuleList of layers on
+            # every forward: a new list, its children added to it). Traced, the lookup below would
+            # hand Dynamo a global path to this model's modules through this hook, and the graph's
+            # guards would check those — always the first protected model's — instead of the
+            # compiled model's own: a second protected model ran the first one's graph, its checks
+            # reported to the first guard (found with two compiled models in one process).
+            return
         prefix = self._names.get(parent)
         if prefix is None or child is None or id(child) in self._ours or is_protected(child):
             return  # not the model's, a removal, or a module of the guard's (a swap, a hand-back)

@@ -508,9 +508,8 @@ class TritonGemmConfig:
     # The row side A·S in the K loop instead: every tile runs a second, narrow MMA [BM, 16] on each A
     # tile it loads, over all of K, and the tile of column block 0 keeps it (one slice). Costs every
     # tile a narrow MMA per K step (8–28% of a wide GEMM on the H200: docs/gpu.md) but no re-read of
-    # A — for the narrow classes (tiles_n ≤ 2), where the slice after the loop re-reads 1/tiles_n of
-    # A's row block from L2 (a tile-local side in the loop ran GQA k/v forward at 0.43 of cuBLAS where
-    # the slices ran it at 0.31: results/gemm_tile_check.json). The column side stays after the loop.
+    # A — for the narrow classes (tiles_n ≤ 4), where the slice after the loop re-reads 1/tiles_n of
+    # A's row block from L2 (`HOPPER_TABLE` has the measurements). The column side stays after the loop.
     side_in_loop: bool = False
 
 
@@ -525,10 +524,15 @@ INTERPRETER_CONFIG = TritonGemmConfig(block_m=32, block_n=32, block_k=16, group_
 HOPPER_TABLE: dict[str, TritonGemmConfig] = {
     # Winners of benchmarks/gemm_tune.py (GPU time, geometric mean of cuBLAS ÷ ours over the class's
     # GEMMs; results/gemm_tune.json). Small classes want more, smaller tiles: the machine has 132 SMs.
-    "narrow-n": TritonGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4),  # N ≤ 256: GQA k/v forward
+    # The narrow forwards (GQA k/v: tiles_n ≤ 4) run the row side in the K loop: on the H100 the k/v
+    # forwards at N = 128 / 256 / 1024 went 0.38 → 0.61 / 0.32 → 0.34 / 0.51 → 0.59 of cuBLAS, while a
+    # square one (tiles_n = 8) lost 0.77 → 0.70 and the wgrads gained nothing
+    # (results/gemm_diagnose_side_in_loop.json).
+    "narrow-n": TritonGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, side_in_loop=True),  # N ≤ 256
     "narrow-m": TritonGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4),  # M ≤ 256: its wgrad
     "short-k": HOPPER_CONFIG,  # K ≤ 512: its dgrad (the reduction runs over N)
     "few-tiles": TritonGemmConfig(block_m=64, block_n=256, num_warps=4, num_stages=4),  # under one wave of 128×256
+    "mid-n": dataclasses.replace(HOPPER_CONFIG, side_in_loop=True),  # N ≤ 1024: Llama-3's k/v, 70B/8's q
     "large": HOPPER_CONFIG,
 }
 _config_override: TritonGemmConfig | None = None
@@ -544,6 +548,8 @@ def shape_class(m: int, n: int, k: int) -> str:
         return "short-k"
     if ceil_div(m, 128) * ceil_div(n, 256) < 132:
         return "few-tiles"
+    if n <= 1024:
+        return "mid-n"
     return "large"
 
 
