@@ -38,8 +38,10 @@ class LlamaModule(lightning.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
-def _fit(tmp_path, callback, manual=False, steps=8):
+def _fit(tmp_path, callback, manual=False, steps=8, compiled=False):
     module = LlamaModule(manual)
+    if compiled:  # Lightning compiles the training step whole: under manual optimization the step end too
+        module = torch.compile(module, backend="aot_eager")
     tokens = torch.randint(0, SMALL.vocab_size, (64, 33), generator=torch.Generator().manual_seed(1))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
     trainer = lightning.Trainer(
@@ -71,6 +73,25 @@ def test_a_fault_is_confirmed_at_its_step_before_the_update_and_raise_stops_fit(
     assert callback.summary.false_alarms == 0
     # the corrupted step's update never landed: the optimizer took steps 0 … FAULT_STEP − 1 only
     optimizer = guard.model.trainer.optimizers[0]
+    assert {int(s["step"]) for s in optimizer.state.values()} == {FAULT_STEP}
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_a_compiled_module_confirms_a_fault_before_the_update(tmp_path, manual):
+    # trainer.fit(torch.compile(module)): Lightning compiles the training step, and under manual
+    # optimization the optimizer step — and with it the callback's guard.step() — runs inside that
+    # compiled frame; traced, the step end once failed inside Dynamo. It runs eagerly there now.
+    site = "model.layers.0.mlp.down_proj:wgrad"
+    fault = aegis.FaultSpec(site=site, model="bitflip", bit=30, steps=(FAULT_STEP,))
+    config = guard_config(tmp_path, faults=(fault,), response=aegis.ResponseConfig(policy="raise"),
+                          thresholds=aegis.ThresholdConfig(calibration_checks=4))  # fmt: skip
+    callback = AegisCallback(config)
+    torch._dynamo.reset()
+    with pytest.raises(aegis.SilentDataCorruptionError):
+        _fit(tmp_path, callback, manual, compiled=True)
+    assert [(i.step, i.site.name) for i in callback.guard.incidents] == [(FAULT_STEP, site)]
+    assert callback.summary.steps == FAULT_STEP + 1 and callback.summary.false_alarms == 0
+    optimizer = callback.guard.model.trainer.optimizers[0]
     assert {int(s["step"]) for s in optimizer.state.values()} == {FAULT_STEP}
 
 

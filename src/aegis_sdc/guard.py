@@ -485,6 +485,10 @@ class Guard:
                 hooked += 1
         return hooked
 
+    # Eager even when called from inside a compiled function (a training step compiled whole, Lightning's
+    # compiled training_step under manual optimization): the step end's host work (numpy plans,
+    # verdicts, the store) is not for tracing — Dynamo failed inside it; a graph break there instead.
+    @torch.compiler.disable
     def step(self) -> StepReport:
         """End the current step and start the next; for training loops that pass no optimizer. Call it
         after backward and before the weights change (see `protect`)."""
@@ -494,6 +498,7 @@ class Guard:
         self._advance()
         return report
 
+    @torch.compiler.disable
     def end_step(self) -> StepReport:
         """Judge, verify, record and respond for everything recorded since the last call."""
         self._require_open()
