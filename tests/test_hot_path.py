@@ -460,6 +460,32 @@ def test_site_names_do_not_depend_on_compiling_before_protect(tmp_path):
     assert names[0] == names[1] and names[0][0] == "layers.0.attn.wq:fwd"
 
 
+def test_site_names_do_not_depend_on_a_data_parallel_wrapper(tmp_path):
+    # DDP and DataParallel hold the model as `module`; sites are named without it, as without the
+    # wrapper (fault specs, quarantine lists and studies name the same sites either way). A user's own
+    # child called `module` keeps its name.
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    names = {}
+    try:
+        for wrap in ("none", "ddp", "dp"):
+            model, _, optimizer = small_workload()
+            target = {"none": model, "ddp": nn.parallel.DistributedDataParallel(model),
+                      "dp": nn.DataParallel(model)}[wrap]  # fmt: skip
+            guard = aegis.protect(target, optimizer=optimizer, config=guard_config(tmp_path / wrap))
+            names[wrap] = [site.name for site in guard.sites]
+            guard.close()
+    finally:
+        dist.destroy_process_group()
+    assert names["ddp"] == names["none"] == names["dp"] and names["none"][0] == "layers.0.attn.wq:fwd"
+    holder = nn.Sequential()
+    holder.module = nn.Linear(8, 8)
+    guard = aegis.protect(holder, config=guard_config(tmp_path / "holder"))
+    assert [site.name for site in guard.sites] == ["module:fwd", "module:dgrad", "module:wgrad"]
+    guard.close()
+
+
 @pytest.mark.parametrize("boundary", ["optimizer", "guard.step"])
 def test_fullgraph_compiles_a_protected_hugging_face_llama_and_names_its_attention(tmp_path, boundary):
     # fullgraph=True refuses any graph break: the guard's forward watch once removed its own hook

@@ -295,20 +295,25 @@ class Swap:
 
 # Attributes under which wrappers hold the user's module: torch.compile's OptimizedModule (a block
 # compiled on its own, as torchtitan does), torch.distributed's CheckpointWrapper
-# (apply_activation_checkpointing) and FSDP1. Sites are named without them — as the wrapped model's
-# state dict names its parameters — so a site's name does not depend on whether the model was wrapped
-# before or after protect().
+# (apply_activation_checkpointing) and FSDP1; and `module` of DDP and DataParallel. Sites are named
+# without them, so a site's name does not depend on whether the model was wrapped before or after
+# protect() — a fault spec, a quarantine list or a study names the same site with DDP and without.
 WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+DATA_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)  # hold the model as `module`
 
 
 def module_names(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """`model.named_modules()` with the wrappers' attributes left out of the names (a wrapper and the
-    module it holds share a name; the root's is "")."""
+    module it holds share a name; the root's is ""). A child named `module` is left out only under
+    DDP or DataParallel (a user's own submodule may be called that)."""
+    named: dict[str, tuple[str, nn.Module]] = {}  # torch's name → (ours, the module)
     for name, module in model.named_modules():
-        parts = name.split(".")
-        if any(part in WRAPPER_ATTRIBUTES for part in parts):
-            name = ".".join(part for part in parts if part not in WRAPPER_ATTRIBUTES)
-        yield name, module
+        parent, _, attr = name.rpartition(".")
+        ours, holder = named.get(parent, ("", None)) if name else ("", None)
+        if name and not (attr in WRAPPER_ATTRIBUTES or (attr == "module" and isinstance(holder, DATA_PARALLEL))):
+            ours = f"{ours}.{attr}" if ours else attr
+        named[name] = (ours, module)
+        yield ours, module
 
 
 def selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
