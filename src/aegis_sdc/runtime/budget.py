@@ -115,9 +115,9 @@ def resolved_multiplier(cycles: list[tuple[float, float, float]], current: float
     budget is ~1.6 ms of a step whose times spread by ±2–3 ms, so one cycle alone resolves only a
     model that is off by twice or more; on the H100 at 7895cc7 a plan whose steps cost ~1.7× its model
     over the quiet ones stayed unresolved cycle after cycle and the 1% budget spent 2.2% (later runs
-    spent 0.9–1.0% over their quiet steps, docs/hot-path.md). Pooling the last cycles narrows the
-    interval as √cycles. Measured on the H200 before: the bare
-    ratio from 3 quiet steps halved the cost model once, and the plan then spent 2.3% of the step."""
+    spent 0.4–1.0% over their quiet steps, docs/hot-path.md). Pooling the last cycles narrows the
+    interval as √cycles. Measured on the H200 before: the bare ratio from 3 quiet steps halved the
+    cost model once, and the plan then spent 2.3% of the step."""
     known = [(s, v, e) for s, v, e in cycles if math.isfinite(v) and e > 0]
     if not known:
         return current
