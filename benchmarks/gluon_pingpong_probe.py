@@ -255,6 +255,28 @@ def consumer1_worker(descs, bufs, bars, MNK, part_ptr, ref_ptr, GROUP_M: gl.cons
 
 
 @gluon.jit
+def pingpong_buffers(a_desc, b_desc, c_desc, STAGES: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr):
+    """Shared memory of the ping-pong GEMM: the A and B stage rings, two C tiles, and its barriers
+    (ready, empty — each stage freed by EMPTY_ARRIVALS arrivals —, order, C ready, C empty)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)  # noqa: RUF005
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)  # noqa: RUF005
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)  # noqa: RUF005
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    c_ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    c_empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=EMPTY_ARRIVALS)
+    for i in gl.static_range(2):
+        mbarrier.init(order_bars.index(i), count=1)
+        mbarrier.init(c_ready_bars.index(i), count=1)
+        mbarrier.init(c_empty_bars.index(i), count=1)
+    return a_bufs, b_bufs, c_bufs, (ready_bars, empty_bars, order_bars, c_ready_bars, c_empty_bars)
+
+
+@gluon.jit
 def ws_pingpong_gemm_kernel(
     a_desc,
     b_desc,
@@ -272,26 +294,10 @@ def ws_pingpong_gemm_kernel(
     SIDE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)  # noqa: RUF005
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)  # noqa: RUF005
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)  # noqa: RUF005
+    a_bufs, b_bufs, c_bufs, bars = pingpong_buffers(a_desc, b_desc, c_desc, STAGES, 1)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)  # noqa: RUF005
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    c_ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    c_empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(order_bars.index(i), count=1)
-        mbarrier.init(c_ready_bars.index(i), count=1)
-        mbarrier.init(c_empty_bars.index(i), count=1)
-
     descs = (a_desc, b_desc, c_desc, s_desc)
     bufs = (a_bufs, b_bufs, c_bufs, s_bufs)
-    bars = (ready_bars, empty_bars, order_bars, c_ready_bars, c_empty_bars)
     MNK = (M, N, K)
     consumer_args = (descs, bufs, bars, MNK, part_ptr, ref_ptr, GROUP_M, PARTIALS, SIDE)
     gl.warp_specialize(

@@ -30,6 +30,7 @@
 #                 GEMM's small-shape tests on CUDA
 #   gluon-probe   a ping-pong warp-specialized GEMM in Gluon: three tiles; the row check's partials, then its side too
 #                 (results/gluon_pingpong_probe.json)
+#   gluon-tile-check  the same GEMM with a tile that checks itself on the CUDA cores (results/gluon_tile_check_probe.json)
 #   state-sensors the state sensors' GPU tests, then their cost in the 1.1B step (results/state_sensors.json)
 #   tile-check    the tile-local row check probe (results/gemm_tile_check.json)
 #   study [ARGS]  the paired healthy-vs-suspect study: HF Llama at the 1.1B widths, 2 layers, bf16, deterministic
@@ -167,6 +168,11 @@ case "${1:-tests-1}" in
     timeout 400 python benchmarks/gluon_pingpong_probe.py --out benchmarks/results/gluon_pingpong_probe.json 2>&1 \
       | grep -v Warn | tee "$out/gluon_pingpong_probe.log" | tail -12
     cp benchmarks/results/gluon_pingpong_probe.json "$out/" ;;
+  gluon-tile-check)
+    timeout 400 python benchmarks/gluon_tile_check_probe.py --tokens 2048,8192,16384 \
+      --out benchmarks/results/gluon_tile_check_probe.json 2>&1 | grep -v "Warn\|leaked\|nanobind\|skipped" \
+      | tee "$out/gluon_tile_check_probe.log" | tail -12
+    cp benchmarks/results/gluon_tile_check_probe.json "$out/" ;;
   state-sensors)
     timeout 120 python -m pytest -q -m gpu tests/test_state_sensors.py -p no:cacheprovider 2>&1 \
       | tee "$out/state_sensors_tests.log" | tail -5
@@ -211,5 +217,5 @@ case "${1:-tests-1}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 budget-costs|side-in-loop|kernel|evidence|diagnose|evidence-parts|side-groups|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 budget-costs|side-in-loop|kernel|evidence|diagnose|evidence-parts|side-groups|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|gluon-tile-check|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac
