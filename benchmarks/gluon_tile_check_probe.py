@@ -7,17 +7,19 @@ TMA load warp, one TMA store warp), with the row check of each output tile kept 
     Σ_n C[i, n]  =  Σ_k A[i, k] · c_j[k]        (n over tile column block j; c_j = B[:, block j]·1)
 
 The left side is the row sums of the fp32 accumulator after the K loop. The right side is formed on
-the CUDA cores from the A tile the MMA is reading: each K step issues its wgmma asynchronously, then
-loads the same A stage from shared memory into registers and adds A[BM, BK]·c_j[BK] (fp32 FMAs)
-before it waits for the MMA — so the arithmetic runs under the tensor cores' time. c_j [tiles_n, K]
-fp32 (a weight's per-block sums: one pass over the weight per step) comes from L2, one step ahead.
-The comparison `|Σ_n C − A·c_j| / ‖C[i, block j]‖` runs in the epilogue, under the other consumer's K
+the CUDA cores from the A stage the MMA is reading (fp32 FMAs, each thread summing its own 8 products
+per step; across threads once per tile), either by the consumer between issuing its asynchronous
+wgmma and waiting for it (`inline`), or by four checker warps that read every stage beside the
+consumers (`checker`) — so the arithmetic runs under the tensor cores' time. c_j [tiles_n, K] fp32 (a
+weight's per-block sums: one pass over the weight per step) comes with each stage by TMA. The
+comparison `|Σ_n C − A·c_j| / ‖C[i, block j]‖` runs in the epilogue, under the other consumer's K
 loop, and the launch keeps its largest value (one fp32 atomic max per program). No side MMA, no
 slices across tiles, nothing to finish after the tile loop.
 
 Checked against fp64 before timing (C, the accumulator's row sums, the CUDA-core side); a fault
 added to one accumulator element of one tile is found (the largest normalized difference against the
-clean run's). Modes timed beside cuBLAS: `pingpong` (the bare GEMM), `compare` (the epilogue's sums
+clean run's). Modes timed beside cuBLAS: `pingpong` (the bare GEMM; its row sums formed and stored
+with every lane masked off, as Triton 3.6 needs a use of the accumulator), `compare` (the epilogue's sums
 and comparison with a zero side: what the check costs without the K-loop work), `inline` (the side
 formed by the consumers in their K loop), `checker` (by four warps of their own, reading the same
 stages: the consumers only issue MMAs).
