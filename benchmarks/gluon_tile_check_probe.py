@@ -378,36 +378,39 @@ def measure(name: str, m: int, k: int, n: int, tile: Tile) -> dict:
     ref = a.double() @ b.double()
     tiles = ref.view(m, tiles_n, tile.bn).permute(1, 0, 2)  # [tiles_n, M, BN]
     side_exact = c_blk.double() @ a.double().t()  # [tiles_n, M]: A·c_j with the kernel's rounded c_j
-    for mode in ("inline", "checker"):
-        side = MODES[mode][0]
-        ev.zero_()
-        slot.zero_()
-        launch(a, b, c, c_blk, ev, slot, tile, side, compare=True, evidence=True)
-        torch.cuda.synchronize()
-        # C: bf16 rounding of an fp32 sum, within 2⁻⁸ of the row's largest |C| (a wrong tile: O(1))
-        row[f"{mode}_c_rel_err"] = ((c.double() - ref).abs() / ref.abs().amax(dim=1, keepdim=True)).max().item()
-        # both sides against the exact tile row sums, relative to Σ|C| over the tile row: fp32
-        # accumulation (~√K·2⁻²⁴); a wrong row, tile or layout is off by O(1)
-        err = (ev[0].double() - tiles.sum(2)).abs() / tiles.abs().sum(2)
-        row[f"{mode}_row_sum_rel_err"] = err.max().item()
-        scale = c_blk.double().abs() @ a.double().abs().t()
-        row[f"{mode}_side_rel_err"] = ((ev[1].double() - side_exact).abs() / scale).max().item()
-        row[f"{mode}_clean_worst"] = slot.item()
-        slot.zero_()
-        launch(a, b, c, c_blk, ev, slot, tile, side, compare=True, fault=True)
-        torch.cuda.synchronize()
-        row[f"{mode}_fault_worst"] = slot.item()  # 1.0 over a tile row's norm (~√(K·BN)): ≫ clean_worst
     row["cublas_ms"] = device_ms(functools.partial(torch.matmul, a, b, out=c))
-    for mode, (side, compare) in MODES.items():
-        fn = functools.partial(launch, a, b, c, c_blk, ev, slot, tile, side, compare)
-        row[f"{mode}_ms"] = device_ms(fn)
-        row[f"{mode}_ratio"] = row["cublas_ms"] / row[f"{mode}_ms"]
     # the library's checked forward (Triton, row check, evidence inside the launch) at the same size,
     # against its own cuBLAS call (X·Wᵀ)
     from gemm import Case
 
     case = Case("fwd", m, k, n)
     row["library_row_ratio"] = device_ms(case.cublas) / device_ms(case.ours("row"))
+    del case
+    # mode by mode, each checked before it is timed and printed as it ends (a mode that hangs leaves
+    # the ones before it in the log)
+    for mode, (side, compare) in MODES.items():
+        if side:
+            ev.zero_()
+            slot.zero_()
+            launch(a, b, c, c_blk, ev, slot, tile, side, compare=True, evidence=True)
+            torch.cuda.synchronize()
+            # C: bf16 rounding of an fp32 sum, within 2⁻⁸ of the row's largest |C| (a wrong tile: O(1))
+            c_err = (c.double() - ref).abs() / ref.abs().amax(dim=1, keepdim=True)
+            row[f"{mode}_c_rel_err"] = c_err.max().item()
+            # both sides against the exact tile row sums, relative to Σ|C| over the tile row: fp32
+            # accumulation (~√K·2⁻²⁴); a wrong row, tile or layout is off by O(1)
+            err = (ev[0].double() - tiles.sum(2)).abs() / tiles.abs().sum(2)
+            row[f"{mode}_row_sum_rel_err"] = err.max().item()
+            scale = c_blk.double().abs() @ a.double().abs().t()
+            row[f"{mode}_side_rel_err"] = ((ev[1].double() - side_exact).abs() / scale).max().item()
+            row[f"{mode}_clean_worst"] = slot.item()
+            slot.zero_()
+            launch(a, b, c, c_blk, ev, slot, tile, side, compare=True, fault=True)
+            torch.cuda.synchronize()
+            row[f"{mode}_fault_worst"] = slot.item()  # 1.0 over a tile row's norm (~√(K·BN)): ≫ clean_worst
+        row[f"{mode}_ms"] = device_ms(functools.partial(launch, a, b, c, c_blk, ev, slot, tile, side, compare))
+        row[f"{mode}_ratio"] = row["cublas_ms"] / row[f"{mode}_ms"]
+        print(f"  {name} M={m} {mode}: {row[f'{mode}_ratio']:.3f} of cuBLAS", flush=True)
     return row
 
 
@@ -469,6 +472,7 @@ def main() -> None:
                 row = {"layer": name, "tile": dataclasses.asdict(tile), "error": str(error).splitlines()[0][:200]}
             print(label, row, flush=True)
             rows.append(row)
+            write_result(args.out, gpu_environment(), rows)  # so far: a later hang or timeout keeps these
         done = [r for r in rows if r["tile"] == dataclasses.asdict(tile) and "error" not in r]
         for mode in [*MODES, "library_row"]:
             ratios = sorted(r[f"{mode}_ratio"] for r in done)
