@@ -15,7 +15,7 @@ runs it). `triton.testing.do_bench` medians (these calls take milliseconds: the 
 negligible). Ratios are the default backend's time ÷ ours (1 = parity); `median_invariant_cost` is
 checked ÷ unchecked − 1 of our own kernels.
 
-    python benchmarks/attention.py [--out benchmarks/results/attention.json] [--smoke] [--sides]
+    python benchmarks/attention.py [--out benchmarks/results/attention.json] [--smoke]
     python benchmarks/attention.py --tune [--out ...]   choose the kernels' blocks (coordinate search)
 
 `--tune` times candidate blocks for each kernel at 4 × 2048 and 1 × 8192, causal and full, checked:
@@ -60,24 +60,20 @@ def sdpa_times(q, k, v, do, causal: bool, backend) -> tuple[float | None, float 
         return None, None
 
 
-def our_times(
-    q, k, v, do, causal: bool, check: bool, forward_only: bool = False, side_on_cores: bool | None = None
-) -> tuple[float, float]:
+def our_times(q, k, v, do, causal: bool, check: bool, forward_only: bool = False) -> tuple[float, float]:
     b, h, s, d = q.shape
     hkv = k.shape[1]
     qf, kf, vf, dof = (t.reshape(-1, s, d) for t in (q, k, v, do))
     scale = d**-0.5
-    fwd = ta.forward(qf, kf, vf, scale, causal, heads=h, check=check, side_on_cores=side_on_cores)
+    fwd = ta.forward(qf, kf, vf, scale, causal, heads=h, check=check)
 
     def backward():
-        g = ta.backward(
-            qf, kf, vf, fwd.out, fwd.lse, dof, scale, causal, heads=h, check=check, side_on_cores=side_on_cores
-        )
+        g = ta.backward(qf, kf, vf, fwd.out, fwd.lse, dof, scale, causal, heads=h, check=check)
         dk = g.dk.reshape(b, hkv, h // hkv, s, d).sum(dim=2).to(k.dtype)
         dv = g.dv.reshape(b, hkv, h // hkv, s, d).sum(dim=2).to(v.dtype)
         return g.dq.to(q.dtype), dk, dv
 
-    fwd_ms = do_bench(lambda: ta.forward(qf, kf, vf, scale, causal, heads=h, check=check, side_on_cores=side_on_cores))
+    fwd_ms = do_bench(lambda: ta.forward(qf, kf, vf, scale, causal, heads=h, check=check))
     return fwd_ms, (float("nan") if forward_only else do_bench(backward))
 
 
@@ -135,12 +131,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "attention.json")
     parser.add_argument("--smoke", action="store_true", help="one tiny case (checks the script on a GPU quickly)")
     parser.add_argument("--tune", action="store_true", help="choose the kernels' blocks instead (see above)")
-    parser.add_argument(
-        "--sides",
-        action="store_true",
-        help="also time the checked kernels with their reference sides on the CUDA cores and by MMA "
-        "(`FWD_SIDE_ON_CORES`, `BWD_SIDE_ON_CORES`): rows get cores_/mma_ fwd and bwd ms and invariant costs",
-    )
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.tune:
@@ -170,23 +160,13 @@ def main() -> None:
                 row[f"{mode}_bwd_ratio"] = row["default_bwd_ms"] / row[f"{mode}_bwd_ms"]
             row["invariant_cost_fwd"] = row["checked_fwd_ms"] / row["unchecked_fwd_ms"] - 1
             row["invariant_cost_bwd"] = row["checked_bwd_ms"] / row["unchecked_bwd_ms"] - 1
-            if args.sides:
-                for unit, cores in (("cores", True), ("mma", False)):
-                    fwd, bwd = our_times(q, k, v, do, causal, True, side_on_cores=cores)
-                    row[f"{unit}_fwd_ms"], row[f"{unit}_bwd_ms"] = fwd, bwd
-                    row[f"invariant_cost_fwd_{unit}"] = fwd / row["unchecked_fwd_ms"] - 1
-                    row[f"invariant_cost_bwd_{unit}"] = bwd / row["unchecked_bwd_ms"] - 1
             rows.append(row)
             print(
                 f"B={b} S={s:5d} {'causal' if causal else 'full  '} | fwd TF/s default "
                 f"{row['default_fwd_tflops']:.0f} ours {row['checked_fwd_tflops']:.0f} "
                 f"(ratio {row['checked_fwd_ratio']:.3f}) | bwd default {row['default_bwd_tflops']:.0f} ours "
                 f"{row['checked_bwd_tflops']:.0f} (ratio {row['checked_bwd_ratio']:.3f}) | invariants "
-                f"+{row['invariant_cost_fwd']:.3f} / +{row['invariant_cost_bwd']:.3f}"
-                + "".join(
-                    f" | {u} +{row[f'invariant_cost_fwd_{u}']:.3f} / +{row[f'invariant_cost_bwd_{u}']:.3f}"
-                    for u in (("cores", "mma") if args.sides else ())
-                ),
+                f"+{row['invariant_cost_fwd']:.3f} / +{row['invariant_cost_bwd']:.3f}",
                 flush=True,
             )
     summary = {
@@ -197,12 +177,6 @@ def main() -> None:
         ),
         "median_fwd_ratio_unchecked": statistics.median(r["unchecked_fwd_ratio"] for r in rows),
         "median_bwd_ratio_unchecked": statistics.median(r["unchecked_bwd_ratio"] for r in rows),
-        **{
-            f"median_invariant_cost_{unit}": statistics.median(
-                cost for r in rows for cost in (r[f"invariant_cost_fwd_{unit}"], r[f"invariant_cost_bwd_{unit}"])
-            )
-            for unit in (("cores", "mma") if args.sides else ())
-        },
         "targets": TARGETS,
         "ratio": "SDPA default backend time / ours (1 = parity); invariant cost: checked / unchecked - 1",
     }

@@ -125,35 +125,6 @@ def _side(ptr, rows, n_rows, EVEN: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _side4(ptr, rows, n_rows, EVEN: tl.constexpr):
-    """Columns 0–3 of rows `rows` of a side operand W (x·1 in three parts, ‖x‖²) as fp32 [R, 4]."""
-    cols = tl.arange(0, 4)
-    if EVEN:
-        w = tl.load(ptr + rows[:, None] * 16 + cols[None, :])
-    else:
-        w = tl.load(ptr + rows[:, None] * 16 + cols[None, :], mask=(rows < n_rows)[:, None], other=0.0)
-    return w.to(tl.float32)
-
-
-@triton.jit
-def _core_side(x_op, x, w_ptr, offs, n, EVEN: tl.constexpr, WITH_SQ: tl.constexpr):
-    """The reference side of x_op [R, C] times a side operand's rows `offs` [C] on the CUDA cores:
-    [R, 2] with column 0 x_op·(y·1) (fp32 products of the rounded operand the main MMA multiplies and
-    y·1 to fp32 precision, summed in fp32) and, WITH_SQ, column 1 x·‖y‖²."""
-    w = _side4(w_ptr, offs, n, EVEN)
-    cols = tl.arange(0, 4)[None, :]
-    y_sum = tl.sum(tl.where(cols < 3, w, 0.0), axis=1)  # hi + mid + lo
-    side = tl.sum(x_op.to(tl.float32) * y_sum[None, :], axis=1)
-    two = tl.arange(0, 2)[None, :]
-    if WITH_SQ:
-        ssq = tl.sum(x * tl.sum(tl.where(cols == 3, w, 0.0), axis=1)[None, :], axis=1)
-        out = tl.where(two == 0, side[:, None], ssq[:, None])
-    else:
-        out = tl.where(two == 0, side[:, None], 0.0)
-    return out
-
-
-@triton.jit
 def _vector(ptr, rows, n_rows, EVEN: tl.constexpr):
     if EVEN:
         return tl.load(ptr + rows)
@@ -161,15 +132,10 @@ def _vector(ptr, rows, n_rows, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _side_sums(acc_side, ON_CORES: tl.constexpr = False):
-    """(reference side, scale²) from a side accumulator [R, SIDE]: columns 0–2 summed, column 3 (or,
-    ON_CORES, from one [R, 2] of the CUDA-core side: column 0, column 1)."""
-    cols = tl.arange(0, acc_side.shape[1])[None, :]
-    if ON_CORES:
-        side, ssq = tl.where(cols == 0, acc_side, 0.0), tl.where(cols == 1, acc_side, 0.0)
-    else:
-        side, ssq = tl.where(cols < 3, acc_side, 0.0), tl.where(cols == 3, acc_side, 0.0)
-    return tl.sum(side, axis=1), tl.sum(ssq, axis=1)
+def _side_sums(acc_side):
+    """(reference side, scale²) from a side accumulator [R, SIDE]: columns 0–2 summed, column 3."""
+    cols = tl.arange(0, 16)[None, :]
+    return tl.sum(tl.where(cols < 3, acc_side, 0.0), axis=1), tl.sum(tl.where(cols == 3, acc_side, 0.0), axis=1)
 
 
 @triton.jit
@@ -323,7 +289,7 @@ def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, l
                seed, p_drop, keep_scale, DROPOUT: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
                MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
-               UPCAST: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, SIDE_ON_CORES: tl.constexpr):  # fmt: skip
+               UPCAST: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):  # fmt: skip
     """The online softmax over key blocks [lo, hi): MASKED blocks apply the causal and bounds masks."""
     for start_n in range(lo, hi, BN):
         offs_n = start_n + tl.arange(0, BN)
@@ -346,9 +312,7 @@ def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, l
             p = p * _keep_scale(seed, offs_m, offs_n, Sk, p_drop, keep_scale, False)
         p_op = _operand(p, DT, UPCAST)  # the MMA's operand; the reference side multiplies the same
         acc = tl.dot(p_op, v, acc * alpha[:, None])
-        if CHECK and SIDE_ON_CORES:  # ref [BM, 2]: p·(V·1), p·‖V‖²
-            ref = ref * alpha[:, None] + _core_side(p_op, p, w_ptr, offs_n, Sk, EVEN, True)
-        elif CHECK:
+        if CHECK:
             ref = tl.dot(p_op, _side(w_ptr, offs_n, Sk, EVEN, UPCAST), ref * alpha[:, None])
         m_i = m_new
     return acc, ref, m_i, l_i
@@ -369,7 +333,7 @@ def attention_fwd_kernel(
     drop_ptr, p_drop, keep_scale,  # dropout (DROPOUT): int64 [seed, first head]; p; 1/(1 − p)
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
     DROPOUT: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
-    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SIDE_ON_CORES: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -381,8 +345,7 @@ def attention_fwd_kernel(
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
-    # the side: p·(V·1) and p·‖V‖² [BM, 2] on the CUDA cores, or p·W of V [BM, SIDE] by MMA
-    ref = tl.zeros((BM, 2 if SIDE_ON_CORES else 16), tl.float32)
+    ref = tl.zeros((BM, 16), tl.float32)  # p·W of V: p·(V·1) in three parts, p·‖V‖²
     k_ptr += _at(kv_head, heads // group, sk_b, sk_h)
     v_ptr += _at(kv_head, heads // group, sv_b, sv_h)
     wv_ptr += kv_head * Sk * 16
@@ -392,26 +355,23 @@ def attention_fwd_kernel(
         acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, 0, free,
                                         head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
                                         fault_delta, fault_mask, seed, p_drop, keep_scale, DROPOUT, False, CAUSAL,
-                                        HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN,
-                                        SIDE_ON_CORES)  # fmt: skip
+                                        HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
         acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, free, hi,
                                         head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
                                         fault_delta, fault_mask, seed, p_drop, keep_scale, DROPOUT, True, CAUSAL,
-                                        HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN,
-                                        SIDE_ON_CORES)  # fmt: skip
+                                        HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
     else:
         acc, ref, m_i, l_i = _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, wv_ptr, sk_s, sv_s, offs_m, 0, hi,
                                         head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
                                         fault_delta, fault_mask, seed, p_drop, keep_scale, DROPOUT, False, CAUSAL,
-                                        HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN,
-                                        SIDE_ON_CORES)  # fmt: skip
+                                        HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if STAGE == 2:  # an error of `delta` in the normalized output is delta·ℓ in the accumulator
         acc = _fault(acc, offs_m, tl.arange(0, D), head, fault_head, fault_row, fault_col,
                      fault_delta * l_safe[:, None], fault_mask, MODEL)  # fmt: skip
     valid = offs_m < Sq
     if CHECK:
-        side, ssq = _side_sums(ref, SIDE_ON_CORES)
+        side, ssq = _side_sums(ref)
         raw = tl.sum(acc, axis=1) - side
         diff = _normalized(raw, tl.maximum(tl.sqrt(ssq * sq_unscale), tl.sum(tl.abs(acc), axis=1)))
         raw = raw / l_safe  # in units of the normalized output, as the reference path reports it
@@ -432,7 +392,7 @@ def _kv_block(dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_
               seed, p_drop, keep_scale, DROPOUT: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
               MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
-              UPCAST: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, SIDE_ON_CORES: tl.constexpr):  # fmt: skip
+              UPCAST: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):  # fmt: skip
     """dK and dV of one key block over query blocks [lo, hi), on transposed tiles [BN, BM]."""
     for start_m in range(lo, hi, BM):
         offs_m = start_m + tl.arange(0, BM)
@@ -467,10 +427,7 @@ def _kv_block(dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_
         dv = tl.dot(p_op, tl.trans(do_t), dv)
         ds_op = _operand(ds_t, DT, UPCAST)
         dk = tl.dot(ds_op, q, dk)
-        if CHECK and SIDE_ON_CORES:
-            dv_ref += _core_side(p_op, p_t, wdo_ptr, offs_m, Sq, EVEN, True)
-            dk_ref += _core_side(ds_op, ds_t, wq_ptr, offs_m, Sq, EVEN, False)
-        elif CHECK:
+        if CHECK:
             dv_ref = tl.dot(p_op, _side(wdo_ptr, offs_m, Sq, EVEN, UPCAST), dv_ref)
             dk_ref = tl.dot(ds_op, _side(wq_ptr, offs_m, Sq, EVEN, UPCAST), dk_ref)
     return dk, dv, dk_ref, dv_ref
@@ -486,7 +443,7 @@ def attention_bwd_kv_kernel(
     drop_ptr, p_drop, keep_scale,  # dropout, as in the forward
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
     DROPOUT: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
-    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SIDE_ON_CORES: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key block (dK unscaled until stored), with the dv and dk checks."""
     pid_n = tl.program_id(0)
@@ -498,10 +455,8 @@ def attention_bwd_kv_kernel(
     v = _tile(v_ptr + _at(kv_head, heads // group, sv_b, sv_h), offs_n, Sk, sv_s, D, EVEN, UPCAST)
     dk = tl.zeros((BN, D), tl.float32)
     dv = tl.zeros((BN, D), tl.float32)
-    # dSᵀ·W of Q: dSᵀ·(Q·1) in three parts; Pᵀ·W of dO: Pᵀ·(dO·1) in three parts, Pᵀ·‖dO‖² (SIDE_ON_CORES:
-    # dSᵀ·(Q·1) and Pᵀ·(dO·1), Pᵀ·‖dO‖² as [BN, 2])
-    dk_ref = tl.zeros((BN, 2 if SIDE_ON_CORES else 16), tl.float32)
-    dv_ref = tl.zeros((BN, 2 if SIDE_ON_CORES else 16), tl.float32)
+    dk_ref = tl.zeros((BN, 16), tl.float32)  # dSᵀ·W of Q: dSᵀ·(Q·1) in three parts
+    dv_ref = tl.zeros((BN, 16), tl.float32)  # Pᵀ·W of dO: Pᵀ·(dO·1) in three parts, Pᵀ·‖dO‖²
     scale2 = scale * 1.4426950408889634
     q_ptr += _at(head, heads, sq_b, sq_h)
     do_ptr += _at(head, heads, sdo_b, sdo_h)
@@ -523,22 +478,22 @@ def attention_bwd_kv_kernel(
             dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, sq_s, sdo_s, offs_n,
             lo, free, head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta,
             fault_mask, seed, p_drop, keep_scale, DROPOUT, True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT,
-            UPCAST, D, BM, SIDE_ON_CORES)  # fmt: skip
+            UPCAST, D, BM)  # fmt: skip
     dk, dv, dk_ref, dv_ref = _kv_block(
         dk, dv, dk_ref, dv_ref, k, v, q_ptr, do_ptr, wq_ptr, wdo_ptr, lse_ptr, delta_ptr, sq_s, sdo_s, offs_n,
         free, Sq, head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta,
         fault_mask, seed, p_drop, keep_scale, DROPOUT, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT,
-        UPCAST, D, BM, SIDE_ON_CORES)  # fmt: skip
+        UPCAST, D, BM)  # fmt: skip
     if STAGE == 2:
         dv = _fault(dv, offs_n, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
     if STAGE == 6:
         dk = _fault(dk, offs_n, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
     valid = offs_n < Sk
     if CHECK:
-        dv_side, dv_ssq = _side_sums(dv_ref, SIDE_ON_CORES)
+        dv_side, dv_ssq = _side_sums(dv_ref)
         dv_raw = tl.where(valid, tl.sum(dv, axis=1) - dv_side, 0.0)
         dv_diff = _normalized(dv_raw, tl.maximum(tl.sqrt(dv_ssq * sq_unscale), tl.sum(tl.abs(dv), axis=1)))
-        dk_side, _ = _side_sums(dk_ref, SIDE_ON_CORES)
+        dk_side, _ = _side_sums(dk_ref)
         dk_raw = tl.where(valid, tl.sum(dk, axis=1) - dk_side, 0.0)
         dk_diff = _normalized(dk_raw, tl.maximum(tl.sqrt(tl.sum(dk * dk, axis=1)), tl.sum(tl.abs(dk), axis=1)))
         slot = check_ptr + (head * tl.num_programs(0) + pid_n) * 4
@@ -558,7 +513,7 @@ def _q_block(dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr
              seed, p_drop, keep_scale, DROPOUT: tl.constexpr,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
              MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
-             UPCAST: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, SIDE_ON_CORES: tl.constexpr):  # fmt: skip
+             UPCAST: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):  # fmt: skip
     """dQ of one query block over key blocks [lo, hi), with the row sums of dP, dS and P."""
     for start_n in range(lo, hi, BN):
         offs_n = start_n + tl.arange(0, BN)
@@ -583,10 +538,7 @@ def _q_block(dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr
         ds_op = _operand(ds, DT, UPCAST)
         dq = tl.dot(ds_op, k, dq)
         if CHECK:
-            if SIDE_ON_CORES:
-                dq_ref += _core_side(ds_op, ds, wk_ptr, offs_n, Sk, EVEN, False)
-            else:
-                dq_ref = tl.dot(ds_op, _side(wk_ptr, offs_n, Sk, EVEN, UPCAST), dq_ref)
+            dq_ref = tl.dot(ds_op, _side(wk_ptr, offs_n, Sk, EVEN, UPCAST), dq_ref)
             dp_sum += tl.sum(dp, axis=1)
             ds_sum += tl.sum(ds, axis=1)
             p_sum += tl.sum(p, axis=1)
@@ -604,7 +556,7 @@ def attention_bwd_q_kernel(
     drop_ptr, p_drop, keep_scale,  # dropout, as in the forward
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
     DROPOUT: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
-    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SIDE_ON_CORES: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block, with the dp, ds and dq checks and the row sums of the recomputed P."""
     pid_m = tl.program_id(0)
@@ -620,7 +572,7 @@ def attention_bwd_q_kernel(
     delta = tl.load(delta_ptr + head * Sq + offs_m, mask=valid, other=0.0)
     scale2 = scale * 1.4426950408889634
     dq = tl.zeros((BM, D), tl.float32)
-    dq_ref = tl.zeros((BM, 2 if SIDE_ON_CORES else 16), tl.float32)  # dS·W of K: dS·(K·1) (in three parts)
+    dq_ref = tl.zeros((BM, 16), tl.float32)  # dS·W of K: dS·(K·1) in three parts
     dp_sum = tl.zeros((BM,), tl.float32)
     ds_sum = tl.zeros((BM,), tl.float32)
     p_sum = tl.zeros((BM,), tl.float32)
@@ -634,18 +586,18 @@ def attention_bwd_q_kernel(
             dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, 0, free,
             head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
             seed, p_drop, keep_scale, DROPOUT, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D,
-            BN, SIDE_ON_CORES)  # fmt: skip
+            BN)  # fmt: skip
         dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
             dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, free, hi,
             head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
             seed, p_drop, keep_scale, DROPOUT, True, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D,
-            BN, SIDE_ON_CORES)  # fmt: skip
+            BN)  # fmt: skip
     else:
         dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
             dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, 0, hi,
             head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
             seed, p_drop, keep_scale, DROPOUT, False, CAUSAL, HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D,
-            BN, SIDE_ON_CORES)  # fmt: skip
+            BN)  # fmt: skip
     if STAGE == 5:
         dq = _fault(dq, offs_m, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
     if CHECK:
@@ -668,7 +620,7 @@ def attention_bwd_q_kernel(
         ds_raw = tl.where(valid, ds_sum, 0.0)
         # under dropout each dP term enters dS times 1/(1 − p)
         ds_diff = _normalized(ds_raw, do_norm * vmax * keep_scale + tl.abs(delta) + (u_out / U32) * dmag)
-        dq_side, _ = _side_sums(dq_ref, SIDE_ON_CORES)
+        dq_side, _ = _side_sums(dq_ref)
         dq_raw = tl.where(valid, tl.sum(dq, axis=1) - dq_side, 0.0)
         dq_diff = _normalized(dq_raw, tl.maximum(tl.sqrt(tl.sum(dq * dq, axis=1)), tl.sum(tl.abs(dq), axis=1)))
         p_diff = tl.abs(p_sum - 1.0) / (U32 * (Sk + 3.0))  # in units of its bound: at most 1 when correct
@@ -784,14 +736,6 @@ class AttentionConfig:
 GPU_CONFIG = AttentionConfig(fwd=Blocks(128, 64, 8, 3), kv=Blocks(32, 64, 4, 3), q=Blocks(128, 128, 8, 2))
 # The interpreter runs one program at a time on the CPU: small blocks keep the tests fast.
 INTERPRETER_CONFIG = AttentionConfig(fwd=Blocks(16, 16, 4, 1), kv=Blocks(16, 16, 4, 1), q=Blocks(16, 16, 4, 1))
-
-
-# The reference sides — forward p·(V·1), backward Pᵀ·(dO·1), dSᵀ·(Q·1), dS·(K·1): a narrow MMA against
-# W (False) or fp32 row sums of the rounded operand times y·1 on the CUDA cores (True). Both multiply
-# the operand the main MMA multiplies and sum in fp32; which is cheaper beside the softmax is measured
-# (benchmarks/attention.py --sides). A replay runs with the setting of its call.
-FWD_SIDE_ON_CORES = False
-BWD_SIDE_ON_CORES = False
 
 
 def config_for(head_dim: int) -> AttentionConfig:
@@ -954,8 +898,7 @@ def _even(sq: int, sk: int, blocks: Blocks) -> bool:
 
 
 def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None, mask: torch.Tensor | None = None,
-            drop: torch.Tensor | None = None, *, heads: int | None = None, check: bool = True,
-            side_on_cores: bool | None = None) -> Forward:  # fmt: skip
+            drop: torch.Tensor | None = None, *, heads: int | None = None, check: bool = True) -> Forward:  # fmt: skip
     """The checked forward (see the module docstring) of flattened heads q [N, Sq, D] or of q
     [B, H, Sq, D] as it is laid out (a transposed view is read in place): out [N, Sq, D] (q's dtype),
     lse [N, Sq] fp32 (natural log), values [N] fp64 and raw_l2 [N] fp64 on the device, N = B·H.
@@ -965,10 +908,8 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
     without an expanded copy). `check=False` runs the same kernel without its checks (values empty:
     benchmarks). `mask`: an additive fp32 mask, [N or 1, Sq, Sk] for flattened heads or anything that
     broadcasts to [B, H, Sq, Sk] (not with `causal`). `drop`: a `DropoutDraw` (out = P_d·V with
-    P_d = P ⊙ keep/(1 − p); the check O·1 = P_d·(V·1)). `side_on_cores`: the reference side p·(V·1)
-    as fp32 row sums on the CUDA cores instead of a narrow MMA (default `FWD_SIDE_ON_CORES`)."""
+    P_d = P ⊙ keep/(1 − p); the check O·1 = P_d·(V·1))."""
     dropout, has_dropout = _dropout_args(drop, q)
-    cores = FWD_SIDE_ON_CORES if side_on_cores is None else side_on_cores
     n, heads, group = _layout(q, k, heads)
     sq, d = q.shape[-2:]
     sk = k.shape[-2]
@@ -984,8 +925,7 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
         *_strides(k, heads // group), *_strides(v, heads // group), *_strides(out, heads),
         sq, sk, float(scale), 1.0 / _sq_scale(q.dtype), heads, group, *fargs, *dropout,
         CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage, DROPOUT=has_dropout,
-        EVEN=_even(sq, sk, cfg), DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d, SIDE_ON_CORES=cores,
-        **_launch_args(cfg),
+        EVEN=_even(sq, sk, cfg), DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d, **_launch_args(cfg),
     )  # fmt: skip
     if not check:
         return Forward(out, lse, torch.empty(0), torch.empty(0))
@@ -996,14 +936,12 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
 
 def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFault | None = None,
              mask: torch.Tensor | None = None, drop: torch.Tensor | None = None, *, heads: int | None = None,
-             check: bool = True, side_on_cores: bool | None = None) -> Backward:  # fmt: skip
+             check: bool = True) -> Backward:  # fmt: skip
     """The checked backward, operands as for `forward` (dout like q, out and lse as `forward` gave
     them): dq, dk, dv [N, S, D] fp32 (dk and dv per query head: a GQA group's sum is the caller's),
     values [len(BACKWARD_CHECKS), N] fp64 and raw_l2 [N] (‖dV·1 − Pᵀ·(dO·1)‖₂) on the device.
-    `heads`, `mask`, `drop` and `check` as for `forward`; `side_on_cores` (default
-    `BWD_SIDE_ON_CORES`) takes the dv, dk and dq reference sides on the CUDA cores."""
+    `heads`, `mask`, `drop` and `check` as for `forward`."""
     dropout, has_dropout = _dropout_args(drop, q)
-    cores = BWD_SIDE_ON_CORES if side_on_cores is None else side_on_cores
     n, heads, group = _layout(q, k, heads)
     sq, d = q.shape[-2:]
     sk = k.shape[-2]
@@ -1023,7 +961,7 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
     q_check = torch.empty(n, q_blocks, Q_CHECKS, dtype=torch.float32, device=q.device)
     model, stage, fargs = _fault_args(fault, True, sq, sk, d)
     common = dict(CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage,
-                  DROPOUT=has_dropout, DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d, SIDE_ON_CORES=cores)  # fmt: skip
+                  DROPOUT=has_dropout, DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d)  # fmt: skip
     operands = (*_mask_args(mask, q, heads), *_strides(q, heads), *_strides(k, heads // group),
                 *_strides(v, heads // group), *_strides(do, heads))  # fmt: skip
     attention_bwd_kv_kernel[(k_blocks, n)](
