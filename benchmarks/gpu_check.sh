@@ -18,6 +18,8 @@
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
 #   sensitivity   detection at r = 1 and false alarms at three shape classes (results/sensitivity.json)
 #   attention     the attention kernels' GPU tests and speed against SDPA (results/attention.json)
+#   attention-diagnose     the attention kernels' time per kernel and with parts of the checks removed
+#                          (results/attention_diagnose.json)
 #   attention-tune         the attention kernels' blocks (results/attention_tune.json)
 #   attention-sensitivity  detection per stage and check, false alarms (results/sensitivity_attention_triton.json)
 #   attention-routed       protected models with attention on the Triton kernels: the attention and hot-path GPU
@@ -122,6 +124,10 @@ case "${1:-tests-1}" in
       2>&1 | tee "$out/attention_tests.log" | tail -15
     timeout 150 python benchmarks/attention.py --out benchmarks/results/attention.json 2>&1 | tee "$out/attention.log"
     cp benchmarks/results/attention.json "$out/" 2>/dev/null ;;
+  attention-diagnose)
+    timeout 400 python benchmarks/attention_diagnose.py --out benchmarks/results/attention_diagnose.json 2>&1 \
+      | grep -v Warn | tee "$out/attention_diagnose.log" | tail -20
+    cp benchmarks/results/attention_diagnose.json "$out/" ;;
   attention-tune)
     timeout 330 python benchmarks/attention.py --tune --out benchmarks/results/attention_tune.json 2>&1 \
       | tee "$out/attention_tune.log" | tail -30
@@ -217,5 +223,5 @@ case "${1:-tests-1}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 budget-costs|side-in-loop|kernel|evidence|diagnose|evidence-parts|side-groups|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|gluon-tile-check|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 budget-costs|attention-diagnose|side-in-loop|kernel|evidence|diagnose|evidence-parts|side-groups|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|gluon-tile-check|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac
