@@ -19,17 +19,14 @@ Cases: 32 query / 8 key-value heads, D 128, bf16; 4 × 2048 causal and 1 × 8192
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from attention import DIM, HEADS, KV_HEADS
-from common import gpu_environment, write_result
+from common import gpu_environment, module_with_edits, write_result
 from triton.testing import do_bench
 
 from aegis_sdc.kernels import triton_attention as ta
@@ -72,20 +69,8 @@ PARTS = {
 
 
 def _module_changed(part: str):
-    """triton_attention loaded again from its source with `PARTS[part]` made (from a file: Triton reads a
-    kernel's source back)."""
-    source = Path(ta.__file__).read_text()
-    for anchor, replacement, count in PARTS[part]:
-        if source.count(anchor) != count:
-            raise SystemExit(f"triton_attention changed: {anchor[:60]!r} found {source.count(anchor)} times")
-        source = source.replace(anchor, replacement)
-    path = Path(tempfile.mkdtemp(prefix="attention_diagnose_")) / f"triton_attention_{part}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """triton_attention loaded again from its source with `PARTS[part]` made."""
+    return module_with_edits(Path(ta.__file__), PARTS[part], f"triton_attention_{part}", "triton_attention")
 
 
 def _operands(b: int, s: int):

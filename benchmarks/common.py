@@ -91,3 +91,24 @@ def write_result(out: Path, env: dict[str, Any], rows: Any, summary: Any = None,
     out.write_text(json.dumps(result, indent=2))
     if summary is not None:
         print(json.dumps(summary, indent=2), flush=True)
+
+
+def module_with_edits(source_path: Path, edits: list[tuple[str, str, int]], name: str, what: str):
+    """The module at `source_path` loaded again from its source with each (anchor, replacement, count)
+    edit made — every anchor must occur `count` times, or the source changed under the edit (`what`
+    names it in the error). From a file: Triton and the CuTe DSL read a kernel's source back."""
+    import importlib.util
+    import tempfile
+
+    source = Path(source_path).read_text()
+    for anchor, replacement, count in edits:
+        if source.count(anchor) != count:
+            raise SystemExit(f"{what} changed: {anchor.strip()[:60]!r} found {source.count(anchor)} times, not {count}")
+        source = source.replace(anchor, replacement)
+    path = Path(tempfile.mkdtemp(prefix="aegis_edited_")) / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

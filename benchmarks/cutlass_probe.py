@@ -21,15 +21,12 @@ replays.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import device_ms, gpu_environment, write_result
+from common import device_ms, gpu_environment, module_with_edits, write_result
 from gemm import Case
 from gemm_diagnose import variants
 
@@ -168,21 +165,10 @@ _SIDE_USE_NEW = (
 def _with_checks(example: Path):
     """The example's module with the partials and the side MMA added (each anchor must occur as often as
     expected: a changed example fails here, not with a wrong measurement)."""
-    source = example.read_text()
     edits = [(a, r, 1) for a, r in _EDITS + _SIDE_EDITS] + [(_GEMM_CALL, _GEMM_CALL + _SIDE_GEMM, 2),
                                                             (_SIDE_USE, _SIDE_USE_NEW, 1)]  # fmt: skip
-    for anchor, replacement, count in edits:
-        if source.count(anchor) != count:
-            raise SystemExit(f"{example}: the CuTe DSL example changed (anchor not found: {anchor.strip()[:60]!r})")
-        source = source.replace(anchor, replacement)
-    # from a file: the DSL reads its kernels' source back (inspect) to stage their control flow
-    path = Path(tempfile.mkdtemp(prefix="cutlass_probe_")) / "cutlass_gemm_with_row_partials.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    # (the DSL reads its kernels' source back (inspect) to stage their control flow)
+    return module_with_edits(example, edits, "cutlass_gemm_with_row_partials", f"{example}: the CuTe DSL example")
 
 
 def _cute_operands(case: Case):

@@ -31,7 +31,7 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from common import device_ms, gpu_environment, host_us, write_result
+from common import device_ms, gpu_environment, host_us, module_with_edits, write_result
 from gemm import Case
 
 from aegis_sdc.kernels import triton_gemm as tg
@@ -149,22 +149,7 @@ _KERNEL_CHANGES = _WARP_SPECIALIZED | _EVIDENCE_CHANGES
 
 def _kernel_module_changed(change: str):
     """triton_gemm loaded again from its source with `_KERNEL_CHANGES[change]` made."""
-    import importlib.util
-    import sys
-    import tempfile
-
-    source = Path(tg.__file__).read_text()
-    for anchor, replacement, count in _KERNEL_CHANGES[change]:
-        if source.count(anchor) != count:
-            raise SystemExit(f"triton_gemm changed: {anchor[:50]!r} found {source.count(anchor)} times, not {count}")
-        source = source.replace(anchor, replacement)
-    path = Path(tempfile.mkdtemp(prefix="gemm_diagnose_")) / f"triton_gemm_{change}.py"
-    path.write_text(source)  # from a file: Triton reads a kernel's source back
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return module_with_edits(Path(tg.__file__), _KERNEL_CHANGES[change], f"triton_gemm_{change}", "triton_gemm")
 
 
 def evidence_part_variants(case: Case, parts: list[str]) -> dict:

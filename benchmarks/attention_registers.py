@@ -1,0 +1,122 @@
+"""Registers and spills of the attention kernels on Hopper, and where the spills sit — computed on any machine.
+
+Compiles the forward, dK/dV and dQ kernels (`kernels/triton_attention.py`, the blocks of
+`GPU_CONFIG`; bf16, head dimension 128, no mask, no dropout), causal and full, unchecked and checked,
+for sm_90a with Triton's bundled `ptxas` (no GPU needed), and disassembles each with the bundled
+`nvdisasm` to count the local-memory stores and loads (`STL`, `LDL`: spill traffic) inside each of
+its loops — the K loops run once per key (query) block, so a spill there is paid by every block,
+one outside them once per program. Also counted per loop: `HGMMA` (wgmma instructions) and `SHFL`
+(reductions across threads).
+
+    python benchmarks/attention_registers.py [--out benchmarks/results/attention_registers.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from common import write_result
+from kernel_registers import _ptxas
+from triton.backends.compiler import GPUTarget
+
+from aegis_sdc.kernels import triton_attention as ta
+
+KERNELS = {
+    "fwd": (ta.attention_fwd_kernel, "fwd"),
+    "bwd_kv": (ta.attention_bwd_kv_kernel, "kv"),
+    "bwd_q": (ta.attention_bwd_q_kernel, "q"),
+}
+_F32_ARGS = {"scale", "sq_unscale", "fault_delta", "p_drop", "keep_scale", "u_out"}
+_F32_PTRS = {"lse_ptr", "check_ptr", "mask_ptr", "delta_ptr", "dmag_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
+             "vcols_ptr", "vsq_ptr", "vmax_ptr"}  # fmt: skip
+LOOP_OPCODES = ("STL", "LDL", "HGMMA", "SHFL")
+_LOOP_MIN_LINES = 50  # a backward branch over fewer SASS lines is a small loop (the epilogue's block sums)
+
+
+def _signature(fn, constexprs: dict) -> dict[str, str]:
+    """The kernel's argument types as a bf16 launch passes them."""
+    types = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            types[name] = "*i64" if name == "drop_ptr" else "*fp32" if name in _F32_PTRS else "*bf16"
+        else:
+            types[name] = "fp32" if name in _F32_ARGS else "i32"
+    return types
+
+
+def _loops(sass: list[str]) -> list[tuple[int, int]]:
+    """(first, last) line of every loop: a branch back to a label above it."""
+    labels = {m.group(1): i for i, line in enumerate(sass) if (m := re.match(r"\s*\.(L_x_\d+):", line))}
+    loops = []
+    for i, line in enumerate(sass):
+        m = re.search(r"BRA\b.*\.(L_x_\d+)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i and i - labels[m.group(1)] >= _LOOP_MIN_LINES:
+            loops.append((labels[m.group(1)], i))
+    return loops
+
+
+def _count(lines: list[str], opcode: str) -> int:
+    return sum(1 for line in lines if re.search(rf"\b{opcode}\b", line))
+
+
+def measure(kernel: str, causal: bool, check: bool) -> dict:
+    fn, which = KERNELS[kernel]
+    blocks = getattr(ta.GPU_CONFIG, which)
+    constexprs = dict(CAUSAL=causal, HAS_MASK=False, CHECK=check, MODEL=0, STAGE=ta.NO_STAGE, DROPOUT=False,
+                      EVEN=True, DT=tl.bfloat16, UPCAST=False, D=128, BM=blocks.block_m, BN=blocks.block_n)  # fmt: skip
+    names = fn.arg_names
+    source = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, constexprs),
+                                       constexprs={(names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages))  # fmt: skip
+    tools = Path(_ptxas()).parent
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        ptx.write_text(compiled.asm["ptx"])
+        cubin.write_bytes(compiled.asm["cubin"])
+        report = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True,
+                                text=True, check=True)  # fmt: skip
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout.splitlines()  # fmt: skip
+    text = report.stdout + report.stderr
+    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text).groups())
+    row = {"kernel": kernel, "causal": causal, "check": check, "blocks": dataclasses.asdict(blocks),
+           "registers": int(re.search(r"Used (\d+) registers", text).group(1)), "spill_store_bytes": stores,
+           "spill_load_bytes": loads, "stl": _count(sass, "STL"), "ldl": _count(sass, "LDL"),
+           "loops": [{"sass_lines": b - a, **{op.lower(): _count(sass[a:b], op) for op in LOOP_OPCODES}}
+                     for a, b in _loops(sass)]}  # fmt: skip
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "attention_registers.json")
+    args = parser.parse_args()
+    rows = [measure(k, causal, check) for k in KERNELS for causal in (True, False) for check in (False, True)]
+    env = {"triton": triton.__version__, "target": "sm_90a", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "command": " ".join(["python", *sys.argv])}  # fmt: skip
+    summary = {
+        f"{r['kernel']}_{'causal' if r['causal'] else 'full'}_{'checked' if r['check'] else 'unchecked'}": {
+            "spill_store_bytes": r["spill_store_bytes"],
+            "loop_stl_ldl": [(loop["stl"], loop["ldl"]) for loop in r["loops"]],
+        }
+        for r in rows
+    }
+    write_result(args.out, env, rows, summary)
+
+
+if __name__ == "__main__":
+    main()
