@@ -43,6 +43,23 @@ PARTS = {
             1,
         )
     ],
+    # the forward's side MMA against a constant W (no loads of W): what its loads cost
+    "fwd_side_no_load": [
+        (
+            "            ref = tl.dot(p_op, _side(w_ptr, offs_n, Sk, EVEN, UPCAST), ref * alpha[:, None])",
+            "            ref = tl.dot(p_op, tl.full((BN, 16), 1.0, p_op.dtype), ref * alpha[:, None])",
+            1,
+        )
+    ],
+    # the forward's side MMA without rescaling its accumulator (wrong values: the cost of the rescale's
+    # wait for the previous side MMA)
+    "fwd_side_no_rescale": [
+        (
+            "            ref = tl.dot(p_op, _side(w_ptr, offs_n, Sk, EVEN, UPCAST), ref * alpha[:, None])",
+            "            ref = tl.dot(p_op, _side(w_ptr, offs_n, Sk, EVEN, UPCAST), ref)",
+            1,
+        )
+    ],
     # the dK/dV kernel's two side MMAs (Pᵀ·W_dO, dSᵀ·W_Q)
     "kv_no_side_mma": [
         ("            dv_ref = tl.dot(p_op, _side(wdo_ptr, offs_m, Sq, EVEN, UPCAST), dv_ref)\n", "", 1),

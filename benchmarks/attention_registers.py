@@ -6,7 +6,8 @@ for sm_90a with Triton's bundled `ptxas` (no GPU needed), and disassembles each 
 `nvdisasm` to count the local-memory stores and loads (`STL`, `LDL`: spill traffic) inside each of
 its loops — the K loops run once per key (query) block, so a spill there is paid by every block,
 one outside them once per program. Also counted per loop: `HGMMA` (wgmma instructions) and `SHFL`
-(reductions across threads).
+(reductions across threads); and per kernel the order in which its PTX issues and waits for its
+wgmma groups (`mma_sequence`: whether anything runs while an MMA does).
 
     python benchmarks/attention_registers.py [--out benchmarks/results/attention_registers.json]
 """
@@ -67,6 +68,16 @@ def _loops(sass: list[str]) -> list[tuple[int, int]]:
     return loops
 
 
+def mma_sequence(ptx: str) -> str:
+    """The kernel's wgmma issue and wait order from its PTX, compressed: W a wgmma, c a commit, wN a
+    wait until at most N groups are in flight, e×k k exponentials (`ex2`: the softmax) — e.g.
+    `WWWWcw0` is one MMA group waited for at once, nothing overlapping it."""
+    tokens = re.findall(r"wgmma\.mma_async|wgmma\.commit_group|wgmma\.wait_group\.sync\.aligned \d+|ex2\.approx", ptx)
+    letters = "".join("W" if t.startswith("wgmma.mma") else "c" if "commit" in t else "e" if t.startswith("ex2")
+                      else "w" + t.rsplit(" ", 1)[1] for t in tokens)  # fmt: skip
+    return re.sub(r"e{2,}", lambda m: f"e×{len(m.group())}", letters)
+
+
 def _count(lines: list[str], opcode: str) -> int:
     return sum(1 for line in lines if re.search(rf"\b{opcode}\b", line))
 
@@ -95,6 +106,7 @@ def measure(kernel: str, causal: bool, check: bool) -> dict:
     row = {"kernel": kernel, "causal": causal, "check": check, "blocks": dataclasses.asdict(blocks),
            "registers": int(re.search(r"Used (\d+) registers", text).group(1)), "spill_store_bytes": stores,
            "spill_load_bytes": loads, "stl": _count(sass, "STL"), "ldl": _count(sass, "LDL"),
+           "mma_sequence": mma_sequence(compiled.asm["ptx"]),
            "loops": [{"sass_lines": b - a, **{op.lower(): _count(sass[a:b], op) for op in LOOP_OPCODES}}
                      for a, b in _loops(sass)]}  # fmt: skip
     print(row, flush=True)
