@@ -18,6 +18,8 @@
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
 #   sensitivity   detection at r = 1 and false alarms at three shape classes (results/sensitivity.json)
 #   attention     the attention kernels' GPU tests and speed against SDPA (results/attention.json)
+#   gluon-attention        a checked attention forward in Gluon (the side MMA in P·V's group) against cuDNN
+#                          and our Triton forward (results/gluon_attention_probe.json)
 #   attention-diagnose     the attention kernels' time per kernel and with parts of the checks removed
 #                          (results/attention_diagnose.json)
 #   attention-tune         the attention kernels' blocks (results/attention_tune.json)
@@ -124,6 +126,10 @@ case "${1:-tests-1}" in
       2>&1 | tee "$out/attention_tests.log" | tail -15
     timeout 150 python benchmarks/attention.py --out benchmarks/results/attention.json 2>&1 | tee "$out/attention.log"
     cp benchmarks/results/attention.json "$out/" 2>/dev/null ;;
+  gluon-attention)
+    timeout 300 python benchmarks/gluon_attention_probe.py --out benchmarks/results/gluon_attention_probe.json 2>&1 \
+      | grep -v "Warn\|UserWarning\|sdpa\|^ *$" | tee "$out/gluon_attention_probe.log" | cut -c1-600 | tail -14
+    cp benchmarks/results/gluon_attention_probe.json "$out/" ;;
   attention-diagnose)
     timeout 400 python benchmarks/attention_diagnose.py --out benchmarks/results/attention_diagnose.json 2>&1 \
       | grep -v Warn | tee "$out/attention_diagnose.log" | tail -20
@@ -223,5 +229,5 @@ case "${1:-tests-1}" in
     timeout 560 python benchmarks/e2e_step.py --workloads own --modes eager,compiled --resume --out "$results" \
       2>&1 | grep -v Warn | tee "$out/e2e_own.log"
     cp "$results" "$out/" ;;
-  *) echo "usage: $0 budget-costs|attention-diagnose|side-in-loop|kernel|evidence|diagnose|evidence-parts|side-groups|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|gluon-tile-check|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
+  *) echo "usage: $0 budget-costs|gluon-attention|attention-diagnose|side-in-loop|kernel|evidence|diagnose|evidence-parts|side-groups|tune|attention|attention-tune|attention-sensitivity|attention-routed|gemm-1|gemm-2|sensitivity|tests-1|tests-2|tile-check|screen|gluon-probe|gluon-tile-check|cutlass-probe|state-sensors|e2e|e2e-eager|e2e-compiled|e2e-own" >&2; exit 2 ;;
 esac
