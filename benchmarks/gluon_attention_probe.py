@@ -33,6 +33,7 @@ Triton 3.6's Gluon; Hopper only; no interpreter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -58,6 +59,24 @@ U32 = 2.0**-24
 BM, BN, D, STAGES, NUM_WARPS = 128, 128, 128, 2, 8
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One form of the forward: checked or bare, the side MMA's N (W_V's 16 columns, or its first 8:
+    the narrowest wgmma), and whether the next block's scores are issued before the softmax."""
+
+    check: bool
+    side_n: int = 16
+    pipeline: bool = False
+
+    @property
+    def name(self) -> str:
+        form = f"_checked_n{self.side_n}" if self.check else "_bare"
+        return ("gluon_pipelined" if self.pipeline else "gluon") + form
+
+
+VARIANTS = [Variant(c, n, p) for p in (False, True) for c, n in ((False, 16), (True, 16), (True, 8))]
+
+
 @gluon.jit
 def _load_kv(k_desc, v_desc, w_desc, k_bufs, v_bufs, w_bufs, ready, kv_row, block, CHECK: gl.constexpr):
     """Key block `block` (rows kv_row + block·BN …) of K, V (and W_V) into stage block % STAGES."""
@@ -70,6 +89,27 @@ def _load_kv(k_desc, v_desc, w_desc, k_bufs, v_bufs, w_bufs, ready, kv_row, bloc
     tma.async_copy_global_to_shared(v_desc, [kv_row + block * BN_, 0], ready.index(s), v_bufs.index(s))
     if CHECK:
         tma.async_copy_global_to_shared(w_desc, [kv_row + block * BN_, 0], ready.index(s), w_bufs.index(s))
+
+
+@gluon.jit
+def _load_k(k_desc, k_bufs, k_ready, kv_row, block):
+    """PIPELINE: key block `block` of K alone into its ring's slot block % 2."""
+    BN_: gl.constexpr = k_desc.block_type.shape[0]
+    s = block % k_bufs.shape[0]
+    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row + block * BN_, 0], k_ready.index(s), k_bufs.index(s))
+
+
+@gluon.jit
+def _load_vw(v_desc, w_desc, v_bufs, w_bufs, v_ready, kv_row, block, CHECK: gl.constexpr):
+    """PIPELINE: key block `block` of V (and W_V) into their ring's slot block % 2."""
+    BN_: gl.constexpr = v_desc.block_type.shape[0]
+    s = block % v_bufs.shape[0]
+    nbytes: gl.constexpr = v_desc.block_type.nbytes + CHECK * w_desc.block_type.nbytes
+    mbarrier.expect(v_ready.index(s), nbytes)
+    tma.async_copy_global_to_shared(v_desc, [kv_row + block * BN_, 0], v_ready.index(s), v_bufs.index(s))
+    if CHECK:
+        tma.async_copy_global_to_shared(w_desc, [kv_row + block * BN_, 0], v_ready.index(s), w_bufs.index(s))
 
 
 @gluon.jit
@@ -125,9 +165,50 @@ def _blocks(lo, hi, o_acc, r_acc, m_i, l_i, q_smem, k_bufs, v_bufs, w_bufs, read
 
 
 @gluon.jit
+def _pipelined_blocks(lo, hi, s_cur, o_acc, r_acc, m_i, l_i, q_smem, k_bufs, v_bufs, w_bufs, k_ready, v_ready,
+                      k_desc, v_desc, w_desc, kv_row, n_blocks, offs_m, q_shift, scale2, MASKED: gl.constexpr,
+                      CHECK: gl.constexpr):  # fmt: skip
+    """PIPELINE: key blocks [lo, hi) with block j + 1's scores issued before block j's softmax, so the
+    tensor cores compute them (and block j − 1's P·V and side) while the CUDA cores compute the softmax;
+    s_cur holds block lo's scores on entry (and the next's on return). K and V have rings of their
+    own: K runs two blocks ahead, V one. The last block issues its own scores again (a constant
+    number of MMA groups in flight, so the waits' counts are constants)."""
+    NS: gl.constexpr = k_bufs.shape[0]
+    BM_: gl.constexpr = q_smem.shape[0]
+    BN_: gl.constexpr = k_bufs.shape[1]
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_acc.type.layout, k_width=2)
+    ps_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_acc.type.layout, k_width=2)
+    s_layout: gl.constexpr = s_cur.type.layout
+    zeros = gl.zeros([BM_, BN_], gl.float32, layout=s_layout)
+    for block in range(lo, hi):
+        nxt = gl.minimum(block + 1, n_blocks - 1)
+        mbarrier.wait(k_ready.index(nxt % NS), (nxt // NS) & 1)
+        s_next = warpgroup_mma(q_smem, k_bufs.index(nxt % NS).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        p, alpha, m_i, l_i = _softmax_step(s_cur, m_i, l_i, offs_m, block, q_shift, scale2, MASKED)
+        p_bf = p.to(gl.bfloat16)
+        # the block before's P·V and side (issued before these scores) are done: its V slot is free
+        o_acc, r_acc = warpgroup_mma_wait(num_outstanding=1, deps=(o_acc, r_acc))
+        if block + 1 < n_blocks:
+            _load_vw(v_desc, w_desc, v_bufs, w_bufs, v_ready, kv_row, block + 1, CHECK)
+        mbarrier.wait(v_ready.index(block % NS), (block // NS) & 1)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_acc.type.layout))
+        o_acc = warpgroup_mma(gl.convert_layout(p_bf, p_layout), v_bufs.index(block % NS),
+                              o_acc * alpha_o[:, None], is_async=True)  # fmt: skip
+        if CHECK:
+            alpha_r = gl.convert_layout(alpha, gl.SliceLayout(1, r_acc.type.layout))
+            r_acc = warpgroup_mma(gl.convert_layout(p_bf, ps_layout), w_bufs.index(block % NS),
+                                  r_acc * alpha_r[:, None], is_async=True)  # fmt: skip
+        # the next block's scores (issued first, so done first); P·V and the side stay in flight
+        s_cur, o_acc, r_acc = warpgroup_mma_wait(num_outstanding=1 + CHECK, deps=(s_next, o_acc, r_acc))
+        if block + 2 < n_blocks:  # into this block's K slot: its scores are long done
+            _load_k(k_desc, k_bufs, k_ready, kv_row, block + 2)
+    return s_cur, o_acc, r_acc, m_i, l_i
+
+
+@gluon.jit
 def gluon_attention_fwd_kernel(q_desc, k_desc, v_desc, w_desc, o_desc, ev_ptr, Sq, Sk, heads, group, scale2,
                                fault_head, CAUSAL: gl.constexpr, CHECK: gl.constexpr, FAULT: gl.constexpr,
-                               STAGES_: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                               STAGES_: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """One program: query rows [pid_m·BM, +BM) of flattened head `head` (q, o [N·Sq, D]; k, v, W_V
     [Nkv·Sk, ·]); ev [N·Sq, 3] fp32 (CHECK): O_acc·1, the side, the check's scale, per row."""
     BM_: gl.constexpr = q_desc.block_type.shape[0]
@@ -141,19 +222,23 @@ def gluon_attention_fwd_kernel(q_desc, k_desc, v_desc, w_desc, o_desc, ev_ptr, S
 
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, D_, 16])  # fmt: skip
+    SW: gl.constexpr = w_desc.block_type.shape[1]  # the side's width: W_V's first 8 or 16 columns
     r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, 16, 16])  # fmt: skip
-    s_rows: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                                       instr_shape=[16, BN_, 16]))  # fmt: skip
+                                                       instr_shape=[16, SW, 16])  # fmt: skip
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BN_, 16])  # fmt: skip
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES_] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES_] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES_] + w_desc.block_type.shape, w_desc.layout)  # noqa: RUF005
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())  # (PIPELINE: K's)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())  # PIPELINE: V's
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES_):
         mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
     mbarrier.init(q_bar, count=1)
 
     # causal (queries aligned to the end of the keys): the blocks below `free` need no mask
@@ -166,20 +251,38 @@ def gluon_attention_fwd_kernel(q_desc, k_desc, v_desc, w_desc, o_desc, ev_ptr, S
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
-    for b in gl.static_range(STAGES_ - 1):
-        if b < hi:
-            _load_kv(k_desc, v_desc, w_desc, k_bufs, v_bufs, w_bufs, ready, kv_row, b, CHECK)
-    mbarrier.wait(q_bar, 0)
-
     offs_m = pid_m * BM_ + gl.arange(0, BM_, layout=s_rows)
     m_i = gl.full([BM_], float("-inf"), gl.float32, layout=s_rows)
     l_i = gl.zeros([BM_], gl.float32, layout=s_rows)
     o_acc = gl.zeros([BM_, D_], gl.float32, layout=o_layout)
-    r_acc = gl.zeros([BM_, 16], gl.float32, layout=r_layout)
-    o_acc, r_acc, m_i, l_i = _blocks(0, free, o_acc, r_acc, m_i, l_i, q_smem, k_bufs, v_bufs, w_bufs, ready, k_desc,
-                                     v_desc, w_desc, kv_row, hi, offs_m, q_shift, scale2, False, CHECK)  # fmt: skip
-    o_acc, r_acc, m_i, l_i = _blocks(free, hi, o_acc, r_acc, m_i, l_i, q_smem, k_bufs, v_bufs, w_bufs, ready, k_desc,
-                                     v_desc, w_desc, kv_row, hi, offs_m, q_shift, scale2, True, CHECK)  # fmt: skip
+    r_acc = gl.zeros([BM_, SW], gl.float32, layout=r_layout)
+    if PIPELINE:  # K two blocks ahead, V one; block 0's scores before the loop
+        _load_k(k_desc, k_bufs, ready, kv_row, 0)
+        if hi > 1:
+            _load_k(k_desc, k_bufs, ready, kv_row, 1)
+        _load_vw(v_desc, w_desc, v_bufs, w_bufs, v_ready, kv_row, 0, CHECK)
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(ready.index(0), 0)
+        s_zeros = gl.zeros([BM_, BN_], gl.float32, layout=s_layout)
+        s_cur = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zeros, use_acc=False, is_async=True)
+        s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur,))
+        s_cur, o_acc, r_acc, m_i, l_i = _pipelined_blocks(
+            0, free, s_cur, o_acc, r_acc, m_i, l_i, q_smem, k_bufs, v_bufs, w_bufs, ready, v_ready, k_desc, v_desc,
+            w_desc, kv_row, hi, offs_m, q_shift, scale2, False, CHECK)  # fmt: skip
+        s_cur, o_acc, r_acc, m_i, l_i = _pipelined_blocks(
+            free, hi, s_cur, o_acc, r_acc, m_i, l_i, q_smem, k_bufs, v_bufs, w_bufs, ready, v_ready, k_desc, v_desc,
+            w_desc, kv_row, hi, offs_m, q_shift, scale2, True, CHECK)  # fmt: skip
+    else:
+        for b in gl.static_range(STAGES_ - 1):
+            if b < hi:
+                _load_kv(k_desc, v_desc, w_desc, k_bufs, v_bufs, w_bufs, ready, kv_row, b, CHECK)
+        mbarrier.wait(q_bar, 0)
+        o_acc, r_acc, m_i, l_i = _blocks(0, free, o_acc, r_acc, m_i, l_i, q_smem, k_bufs, v_bufs, w_bufs, ready,
+                                         k_desc, v_desc, w_desc, kv_row, hi, offs_m, q_shift, scale2, False,
+                                         CHECK)  # fmt: skip
+        o_acc, r_acc, m_i, l_i = _blocks(free, hi, o_acc, r_acc, m_i, l_i, q_smem, k_bufs, v_bufs, w_bufs, ready,
+                                         k_desc, v_desc, w_desc, kv_row, hi, offs_m, q_shift, scale2, True,
+                                         CHECK)  # fmt: skip
     o_acc, r_acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc, r_acc))
 
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -188,7 +291,7 @@ def gluon_attention_fwd_kernel(q_desc, k_desc, v_desc, w_desc, o_desc, ev_ptr, S
         c = gl.arange(0, D_, layout=gl.SliceLayout(0, o_layout))[None, :]
         o_acc = o_acc + gl.where((r == 0) & (c == 0) & (head == fault_head) & (pid_m == 0), 1.0, 0.0)
     if CHECK:
-        cols = gl.arange(0, 16, layout=gl.SliceLayout(0, r_layout))[None, :]
+        cols = gl.arange(0, SW, layout=gl.SliceLayout(0, r_layout))[None, :]
         side = gl.convert_layout(gl.sum(gl.where(cols < 3, r_acc, 0.0), axis=1), o_rows)
         ssq = gl.convert_layout(gl.sum(gl.where(cols == 3, r_acc, 0.0), axis=1), o_rows)
         rows = q_row + gl.arange(0, BM_, layout=o_rows)
@@ -203,9 +306,10 @@ def gluon_attention_fwd_kernel(q_desc, k_desc, v_desc, w_desc, o_desc, ev_ptr, S
     tma.store_wait(pendings=0)
 
 
-def _descs(q, k, v, w, o):
-    """TMA descriptors of the flattened operands ([rows, D] bf16; W_V [rows, 16])."""
-    boxes = ([BM, D], [BN, D], [BN, D], [BN, 16], [BM, D])
+def _descs(q, k, v, w, o, side_n: int = 16):
+    """TMA descriptors of the flattened operands ([rows, D] bf16; W_V [rows, 16], read `side_n` wide:
+    its columns hi, mid, lo, ‖V‖² and zeros — 8 is the narrowest wgmma)."""
+    boxes = ([BM, D], [BN, D], [BN, D], [BN, side_n], [BM, D])
     return [TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
             for t, box in zip((q, k, v, w, o), boxes, strict=True)]  # fmt: skip
 
@@ -224,61 +328,70 @@ def measure(b: int, s: int, causal: bool, heads: int = 32, kv_heads: int = 8) ->
     o = torch.empty_like(q)
     ev = torch.zeros(n * s, 3, device="cuda", dtype=torch.float32)
 
-    def run(check: bool, fault_head: int = -1):
-        gluon_attention_fwd_kernel[(s // BM, n)](*_descs(q, k, v, w, o), ev, s, s, heads, group, D**-0.5 * LOG2E,
-                                                 fault_head, causal, check, fault_head >= 0, STAGES,
-                                                 num_warps=NUM_WARPS)  # fmt: skip
+    def run(variant: Variant, fault_head: int = -1):
+        gluon_attention_fwd_kernel[(s // BM, n)](*_descs(q, k, v, w, o, variant.side_n), ev, s, s, heads, group,
+                                                 D**-0.5 * LOG2E, fault_head, causal, variant.check, fault_head >= 0,
+                                                 STAGES, variant.pipeline, num_warps=NUM_WARPS)  # fmt: skip
 
     row = {"batch": b, "seq": s, "causal": causal, "heads": heads, "kv_heads": kv_heads, "dim": D,
-           "blocks": {"bm": BM, "bn": BN, "stages": STAGES, "warps": NUM_WARPS}}  # fmt: skip
-    # values: O against SDPA in fp32 (bf16 rounding of O: 2⁻⁸ relative to the row's largest |O|, with room)
-    run(True)
-    torch.cuda.synchronize()
+           "blocks": {"bm": BM, "bn": BN, "stages": STAGES, "warps": NUM_WARPS},
+           "fault_row_expected": 3 * s}  # fmt: skip
     ref = torch.nn.functional.scaled_dot_product_attention(q4.float(), k4.float(), v4.float(), is_causal=causal,
                                                            enable_gqa=True)  # fmt: skip
-    err = (o.view(b, heads, s, D).float() - ref).abs() / ref.abs().amax(dim=-1, keepdim=True)
-    row["o_rel_err"] = err.max().item()
-    # the check: clean normalized differences in units of u (a wrong side or layout: ≫ 10³)
-    diff = (ev[:, 0] - ev[:, 1]).abs() / (U32 * ev[:, 2]).clamp_min(1e-30)
-    row["clean_worst_u"] = diff.max().item()
-    run(True, fault_head=3)
-    torch.cuda.synchronize()
-    diff = (ev[:, 0] - ev[:, 1]).abs() / (U32 * ev[:, 2]).clamp_min(1e-30)
-    row["fault_worst_u"] = diff.max().item()
-    row["fault_row"] = int(diff.argmax().item())
-    row["fault_row_expected"] = 3 * s
+    for variant in VARIANTS:
+        # values: O against SDPA in fp32 (P and O rounded to bf16: ~2⁻⁸ of the row's largest |O|)
+        o.zero_()
+        run(variant)
+        torch.cuda.synchronize()
+        err = (o.view(b, heads, s, D).float() - ref).abs() / ref.abs().amax(dim=-1, keepdim=True)
+        row[f"{variant.name}_o_rel_err"] = err.max().item()
+        if variant.check:
+            # the check: clean normalized differences in units of u (a wrong side or layout: ≫ 10³)
+            diff = (ev[:, 0] - ev[:, 1]).abs() / (U32 * ev[:, 2]).clamp_min(1e-30)
+            row[f"{variant.name}_clean_worst_u"] = diff.max().item()
+            run(variant, fault_head=3)
+            torch.cuda.synchronize()
+            diff = (ev[:, 0] - ev[:, 1]).abs() / (U32 * ev[:, 2]).clamp_min(1e-30)
+            row[f"{variant.name}_fault_worst_u"] = diff.max().item()
+            row[f"{variant.name}_fault_row"] = int(diff.argmax().item())
+    del ref
     # times
     qf, kf, vf = (t.reshape(-1, s, D) for t in (q4, k4, v4))
     row["sdpa_ms"] = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=causal,
                                                                                         enable_gqa=True))  # fmt: skip
     row["triton_unchecked_ms"] = do_bench(lambda: ta.forward(qf, kf, vf, D**-0.5, causal, heads=heads, check=False))
     row["triton_checked_ms"] = do_bench(lambda: ta.forward(qf, kf, vf, D**-0.5, causal, heads=heads, check=True))
-    row["gluon_bare_ms"] = do_bench(lambda: run(False))
-    row["gluon_checked_ms"] = do_bench(lambda: run(True))
-    for key in ("triton_unchecked", "triton_checked", "gluon_bare", "gluon_checked"):
+    for variant in VARIANTS:
+        row[f"{variant.name}_ms"] = do_bench(lambda variant=variant: run(variant))
+    for key in ("triton_unchecked", "triton_checked", *(v.name for v in VARIANTS)):
         row[f"{key}_ratio"] = row["sdpa_ms"] / row[f"{key}_ms"]
-    row["gluon_invariant_cost"] = row["gluon_checked_ms"] / row["gluon_bare_ms"] - 1
+    for variant in VARIANTS:
+        if variant.check:
+            bare = "gluon_pipelined_bare" if variant.pipeline else "gluon_bare"
+            row[f"{variant.name}_invariant_cost"] = row[f"{variant.name}_ms"] / row[f"{bare}_ms"] - 1
     print({k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()}, flush=True)
     return row
 
 
 def compile_only() -> None:
-    """Both variants compiled for sm_90a (no GPU): registers, spills and the order of MMA issues and waits."""
+    """Every variant compiled for sm_90a (no GPU): registers, spills and the order of MMA issues and waits."""
     from attention_registers import mma_sequence
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    descs = []
-    for box in ([BM, D], [BN, D], [BN, D], [BN, 16], [BM, D]):
-        layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
-        descs.append(f"tensordesc<bf16[{', '.join(map(str, box))}],{layout!r}>")
-    signature = dict(zip(("q_desc", "k_desc", "v_desc", "w_desc", "o_desc"), descs, strict=True))
-    signature.update(ev_ptr="*fp32", Sq="i32", Sk="i32", heads="i32", group="i32", scale2="fp32", fault_head="i32")
     names = gluon_attention_fwd_kernel.arg_names
     for causal in (False, True):
-        for check in (False, True):
-            constexprs = dict(CAUSAL=causal, CHECK=check, FAULT=False, STAGES_=STAGES, num_warps=NUM_WARPS)
+        for variant in VARIANTS:
+            descs = []
+            for box in ([BM, D], [BN, D], [BN, D], [BN, variant.side_n], [BM, D]):
+                layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
+                descs.append(f"tensordesc<bf16[{', '.join(map(str, box))}],{layout!r}>")
+            signature = dict(zip(("q_desc", "k_desc", "v_desc", "w_desc", "o_desc"), descs, strict=True))
+            signature.update(ev_ptr="*fp32", Sq="i32", Sk="i32", heads="i32", group="i32", scale2="fp32",
+                             fault_head="i32")  # fmt: skip
+            constexprs = dict(CAUSAL=causal, CHECK=variant.check, FAULT=False, STAGES_=STAGES,
+                              PIPELINE=variant.pipeline, num_warps=NUM_WARPS)  # fmt: skip
             signature.update(dict.fromkeys(constexprs, "constexpr"))
             source = GluonASTSource(fn=gluon_attention_fwd_kernel, signature=signature,
                                     constexprs={(names.index(key),): v for key, v in constexprs.items()})  # fmt: skip
@@ -290,7 +403,7 @@ def compile_only() -> None:
                                       capture_output=True, text=True, check=True).stderr  # fmt: skip
             regs = re.search(r"Used (\d+) registers", text).group(1)
             spills = re.search(r"(\d+) bytes spill stores", text).group(1)
-            print(f"causal={causal} check={check}: {regs} registers, {spills} bytes spilled, "
+            print(f"causal={causal} {variant.name}: {regs} registers, {spills} bytes spilled, "
                   f"smem {compiled.metadata.shared} B, MMA order {mma_sequence(compiled.asm['ptx'])}")  # fmt: skip
 
 
@@ -312,9 +425,12 @@ def main() -> None:
         for causal in (True, False):
             rows.append(measure(b, s, causal))
             write_result(args.out, gpu_environment(seconds=round(time.time() - started, 1)), rows)
-    summary = {f"median_{key}_ratio": statistics.median(r[f"{key}_ratio"] for r in rows)
-               for key in ("triton_unchecked", "triton_checked", "gluon_bare", "gluon_checked")}  # fmt: skip
-    summary["median_gluon_invariant_cost"] = statistics.median(r["gluon_invariant_cost"] for r in rows)
+    names = ("triton_unchecked", "triton_checked", *(v.name for v in VARIANTS))
+    summary = {f"median_{key}_ratio": statistics.median(r[f"{key}_ratio"] for r in rows) for key in names}
+    for variant in VARIANTS:
+        if variant.check:
+            key = f"{variant.name}_invariant_cost"
+            summary[f"median_{key}"] = statistics.median(r[key] for r in rows)
     summary["ratio"] = "SDPA default backend time / ours (1 = parity)"
     write_result(args.out, gpu_environment(seconds=round(time.time() - started, 1)), rows, summary)
 
