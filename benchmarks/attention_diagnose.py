@@ -73,6 +73,11 @@ PARTS = {
     "q_no_side_mma": [
         ("            dq_ref = tl.dot(ds_op, _side(wk_ptr, offs_n, Sk, EVEN, UPCAST), dq_ref)\n", "", 1),
     ],
+    # the dQ kernel's checks after its loop (dO's norms, V's column sums over the key blocks, the
+    # comparisons: the part of the kernel where its spills sit — results/attention_registers.json)
+    "q_no_epilogue": [
+        ("    if CHECK:\n        dof = do.to(tl.float32)", "    if False:\n        dof = do.to(tl.float32)", 1)
+    ],
     # the dQ kernel's three row sums per key block (dP, dS, P)
     "q_no_row_sums": [
         (
