@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
 import subprocess
 import sys
@@ -26,9 +25,7 @@ from pathlib import Path
 
 import triton
 import triton.language as tl
-from common import write_result
-from kernel_registers import _ptxas
-from triton.backends.compiler import GPUTarget
+from common import bundled_tool, compile_for_sm90a, write_result
 
 from aegis_sdc.kernels import triton_attention as ta
 
@@ -87,24 +84,16 @@ def measure(kernel: str, causal: bool, check: bool) -> dict:
     blocks = getattr(ta.GPU_CONFIG, which)
     constexprs = dict(CAUSAL=causal, HAS_MASK=False, CHECK=check, MODEL=0, STAGE=ta.NO_STAGE, DROPOUT=False,
                       EVEN=True, DT=tl.bfloat16, UPCAST=False, D=128, BM=blocks.block_m, BN=blocks.block_n)  # fmt: skip
-    names = fn.arg_names
-    source = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, constexprs),
-                                       constexprs={(names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages))  # fmt: skip
-    tools = Path(_ptxas()).parent
+    types = {k: v for k, v in _signature(fn, constexprs).items() if v != "constexpr"}
+    compiled, _, registers, stores, loads = compile_for_sm90a(fn, types, constexprs, num_warps=blocks.num_warps,
+                                                              num_stages=blocks.num_stages)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
-        ptx.write_text(compiled.asm["ptx"])
+        cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        report = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True,
-                                text=True, check=True)  # fmt: skip
-        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
+        sass = subprocess.run([bundled_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
                               check=True).stdout.splitlines()  # fmt: skip
-    text = report.stdout + report.stderr
-    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text).groups())
     row = {"kernel": kernel, "causal": causal, "check": check, "blocks": dataclasses.asdict(blocks),
-           "registers": int(re.search(r"Used (\d+) registers", text).group(1)), "spill_store_bytes": stores,
+           "registers": registers, "spill_store_bytes": stores,
            "spill_load_bytes": loads, "stl": _count(sass, "STL"), "ldl": _count(sass, "LDL"),
            "mma_sequence": mma_sequence(compiled.asm["ptx"]),
            "loops": [{"sass_lines": b - a, **{op.lower(): _count(sass[a:b], op) for op in LOOP_OPCODES}}

@@ -112,3 +112,40 @@ def module_with_edits(source_path: Path, edits: list[tuple[str, str, int]], name
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def bundled_tool(*names: str) -> str:
+    """The first of `names` (e.g. "ptxas-blackwell", "ptxas") that Triton bundles for CUDA."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    for name in names:
+        if (tools / name).exists():
+            return str(tools / name)
+    raise SystemExit(f"none of {names} under {tools}")
+
+
+def compile_for_sm90a(fn, signature: dict, constexprs: dict, gluon: bool = False, **options: Any):
+    """`fn` (a Triton or, with `gluon`, a Gluon kernel) compiled for sm_90a on any machine, no GPU:
+    (the compiled kernel, its ptxas -v report, registers per thread, spill store bytes, spill load bytes)."""
+    import os
+    import re
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+    else:
+        from triton.compiler import ASTSource as Source
+    names = fn.arg_names
+    source = Source(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        run = subprocess.run([bundled_tool("ptxas-blackwell", "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o",
+                              os.devnull], capture_output=True, text=True, check=True)  # fmt: skip
+    report = run.stdout + run.stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups())
+    return compiled, report, registers, stores, loads

@@ -34,15 +34,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import re
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -376,11 +371,8 @@ def measure(b: int, s: int, causal: bool, heads: int = 32, kv_heads: int = 8) ->
 def compile_only() -> None:
     """Every variant compiled for sm_90a (no GPU): registers, spills and the order of MMA issues and waits."""
     from attention_registers import mma_sequence
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from common import compile_for_sm90a
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    names = gluon_attention_fwd_kernel.arg_names
     for causal in (False, True):
         for variant in VARIANTS:
             descs = []
@@ -392,17 +384,8 @@ def compile_only() -> None:
                              fault_head="i32")  # fmt: skip
             constexprs = dict(CAUSAL=causal, CHECK=variant.check, FAULT=False, STAGES_=STAGES,
                               PIPELINE=variant.pipeline, num_warps=NUM_WARPS)  # fmt: skip
-            signature.update(dict.fromkeys(constexprs, "constexpr"))
-            source = GluonASTSource(fn=gluon_attention_fwd_kernel, signature=signature,
-                                    constexprs={(names.index(key),): v for key, v in constexprs.items()})  # fmt: skip
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS))
-            with tempfile.TemporaryDirectory() as tmp:
-                ptx = Path(tmp) / "kernel.ptx"
-                ptx.write_text(compiled.asm["ptx"])
-                text = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
-                                      capture_output=True, text=True, check=True).stderr  # fmt: skip
-            regs = re.search(r"Used (\d+) registers", text).group(1)
-            spills = re.search(r"(\d+) bytes spill stores", text).group(1)
+            compiled, _, regs, spills, _ = compile_for_sm90a(gluon_attention_fwd_kernel, signature, constexprs,
+                                                             gluon=True, num_warps=NUM_WARPS)  # fmt: skip
             print(f"causal={causal} {variant.name}: {regs} registers, {spills} bytes spilled, "
                   f"smem {compiled.metadata.shared} B, MMA order {mma_sequence(compiled.asm['ptx'])}")  # fmt: skip
 

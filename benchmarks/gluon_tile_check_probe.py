@@ -416,16 +416,8 @@ def measure(name: str, m: int, k: int, n: int, tile: Tile) -> dict:
 
 def compile_only() -> None:
     """Every mode and tile compiled for sm_90a (no GPU): registers and spills from ptxas."""
-    import os
-    import re
-    import subprocess
-    import tempfile
+    from common import compile_for_sm90a
 
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    names = tile_check_gemm_kernel.arg_names
     for tile in TILES:
         signature = _signature(tile)
         signature.update(ev_ptr="*fp32", m_ev="i32", slot_ptr="*fp32", M="i32", N="i32", K="i32")
@@ -434,18 +426,9 @@ def compile_only() -> None:
                               CHECKER_REGS=REGS[side][1], INLINE=side == 1, CHECKER=side == 2, LOAD_SIDE=side > 0,
                               COMPARE=compare,
                               FAULT=False, num_warps=4)  # fmt: skip
-            signature.update(dict.fromkeys(constexprs, "constexpr"))
-            source = GluonASTSource(fn=tile_check_gemm_kernel, signature=signature,
-                                    constexprs={(names.index(key),): v for key, v in constexprs.items()})  # fmt: skip
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-            with tempfile.TemporaryDirectory() as tmp:
-                ptx = Path(tmp) / "kernel.ptx"
-                ptx.write_text(compiled.asm["ptx"])
-                text = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
-                                      capture_output=True, text=True, check=True).stderr  # fmt: skip
-            regs = re.search(r"Used (\d+) registers", text).group(1)
-            spills = re.search(r"(\d+) bytes spill stores", text).group(1)
-            serialized = "C7515" in text or "C7510" in text
+            _, report, regs, spills, _ = compile_for_sm90a(tile_check_gemm_kernel, signature, constexprs, gluon=True,
+                                                           num_warps=4)  # fmt: skip
+            serialized = "C7515" in report or "C7510" in report
             print(f"{tile} {mode}: {regs} registers, {spills} bytes spilled, wgmma serialized: {serialized}")
 
 

@@ -16,18 +16,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import triton
 import triton.language as tl
-from common import write_result  # benchmarks/ is the script's directory
-from triton.backends.compiler import GPUTarget
+from common import bundled_tool, compile_for_sm90a, write_result  # benchmarks/ is the script's directory
 
 from aegis_sdc.kernels import triton_gemm as tg
 
@@ -59,38 +54,21 @@ def _signature(constexprs: dict) -> dict[str, str]:
     return types
 
 
-def _ptxas() -> str:
-    """A bundled ptxas that reads the PTX version this Triton writes (the newest one it ships)."""
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    for name in ("ptxas-blackwell", "ptxas"):
-        if (tools / name).exists():
-            return str(tools / name)
-    raise SystemExit(f"no ptxas under {tools}")
-
-
 def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
     label, a_t, b_t, row_check, col_check, byproduct = kind
     constexprs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=False, ROW_CHECK=row_check, ROW_SIDE=True, COL_CHECK=col_check,
+                      SIDE_IN_LOOP=cfg.side_in_loop,
                       FAULT=tg.FAULT_NONE, EVIDENCE=True, TOTALS=cfg.inline_totals, BYPRODUCT=byproduct,
                       SIDE_OUT=byproduct,
                       CAPTURE=(tg.CAPTURE_TILE if col_check else tg.CAPTURE_ROWS) if row_check else tg.CAPTURE_NONE,
                       POOL=POOL_SLOTS, DT=tl.bfloat16, UPCAST=False, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                       GROUP_M=cfg.group_m)  # fmt: skip
-    names = tg.checked_gemm_kernel.arg_names
-    source = triton.compiler.ASTSource(fn=tg.checked_gemm_kernel, signature=_signature(constexprs),
-                                       constexprs={(names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
     started = time.perf_counter()
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        report = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True,
-                                text=True, check=True)  # fmt: skip
-    text = report.stdout + report.stderr
-    registers = int(re.search(r"Used (\d+) registers", text).group(1))
-    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text).groups())
+    types = {k: v for k, v in _signature(constexprs).items() if v != "constexpr"}
+    _, _, registers, stores, loads = compile_for_sm90a(tg.checked_gemm_kernel, types, constexprs,
+                                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
     row = {"class": cls, "kind": label, "block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+           "side_in_loop": cfg.side_in_loop,
            "num_stages": cfg.num_stages, "registers": registers, "spill_store_bytes": stores,
            "spill_load_bytes": loads, "inline_totals": cfg.inline_totals,
            "compile_s": round(time.perf_counter() - started, 1)}  # fmt: skip
@@ -106,13 +84,14 @@ def main() -> None:
     args = parser.parse_args()
     configs: dict[tuple, list[str]] = {}  # one compile per distinct configuration
     for cls, cfg in tg.HOPPER_TABLE.items():
-        configs.setdefault((cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.group_m), [])
-        configs[(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.group_m)].append(cls)
+        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.group_m, cfg.side_in_loop)
+        configs.setdefault(key, []).append(cls)
     rows = []
     for classes in configs.values():
         cfg = dataclasses.replace(tg.HOPPER_TABLE[classes[0]], inline_totals=args.evidence == "totals")
         rows += [measure(",".join(classes), cfg, kind) for kind in KINDS]
-    env = {"triton": triton.__version__, "target": "sm_90a", "ptxas": _ptxas().rsplit("/", 1)[-1],
+    ptxas = bundled_tool("ptxas-blackwell", "ptxas").rsplit("/", 1)[-1]
+    env = {"triton": triton.__version__, "target": "sm_90a", "ptxas": ptxas,
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", *sys.argv])}  # fmt: skip
     summary = {"variants": len(rows), "spilling_variants": sum(r["spill_store_bytes"] > 0 for r in rows),
                "max_spill_store_bytes": max(r["spill_store_bytes"] for r in rows)}  # fmt: skip
