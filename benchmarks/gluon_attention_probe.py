@@ -13,16 +13,20 @@ brought by TMA into a ring of stages) issues per key block
 
 so the side is issued behind P·V and waited for with the next block's scores: one wait per key
 block where the Triton kernel has three (P·V and the side run while the next block's scores are
-issued). The softmax itself still does not overlap an MMA (FlashAttention-3 overlaps it by
-ping-pong between warp groups; not here). The invariant and its
+issued). Variants (`VARIANTS`): bare or checked; the side 16 wide (W_V's columns) or 8 (the
+narrowest wgmma, m64n8k16: the first eight columns, all that carry values); and `PIPELINE`, which
+issues block j + 1's scores before block j's softmax — the tensor cores compute them, and block
+j − 1's P·V and side, while the CUDA cores compute softmax j (K has a ring of its own two blocks
+ahead, V one block ahead; the last block issues its own scores again, so the number of MMA groups in
+flight, and with it every wait's count, is a constant). The invariant and its
 operand W_V = [hi, mid, lo of V·1, ‖V‖², 0…] are the library's (`kernels/triton_attention.py`): the
 check |O_acc·1 − p·(V·1)| / max(u·sqrt(p·‖V‖²), u·Σ|O_acc|).
 
 Checked before timing: O against SDPA (bf16 rounding), the row sums of O_acc and the side against
 each other (the clean normalized difference), and a fault (1.0 added to one element of one head's
 O accumulator) seen. Timed (`do_bench` medians): SDPA default, our Triton forward unchecked and
-checked, this forward bare and checked; cases as `benchmarks/attention.py` (32/8 heads, D 128, bf16,
-8192 tokens per call, causal and full).
+checked, and each variant of this forward; cases as `benchmarks/attention.py` (32/8 heads, D 128,
+bf16, 8192 tokens per call, causal and full).
 
     python benchmarks/gluon_attention_probe.py [--out benchmarks/results/gluon_attention_probe.json]
     python benchmarks/gluon_attention_probe.py --compile-only   # registers, spills, MMA order; sm_90a, no GPU
