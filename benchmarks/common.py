@@ -1,5 +1,7 @@
 """What the GPU benchmarks share: the record they write (`gpu_environment`, `write_result`), the
-timed training-step loop (`timed_steps`) and the two clocks of a kernel (`device_ms`, `host_us`).
+timed training-step loop (`timed_steps`), the two clocks of a kernel (`device_ms`, `host_us`), a
+kernel module loaded again with edits (`module_with_edits`: the diagnoses' variants) and a kernel
+compiled for sm_90a without a GPU (`compile_for_sm90a`, `bundled_tool`: registers, spills, SASS).
 Imported as `common` (benchmarks/ is the script's directory)."""
 
 from __future__ import annotations
