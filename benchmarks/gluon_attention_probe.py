@@ -28,7 +28,8 @@ O accumulator) seen. Timed (`do_bench` medians): SDPA default, our Triton forwar
 checked, and each variant of this forward; cases as `benchmarks/attention.py` (32/8 heads, D 128,
 bf16, 8192 tokens per call, causal and full).
 
-    python benchmarks/gluon_attention_probe.py [--out benchmarks/results/gluon_attention_probe.json]
+    python benchmarks/gluon_attention_probe.py [--pipeline off|on|both] [--out FILE]
+        (FILE: benchmarks/results/gluon_attention_probe.json unless given)
     python benchmarks/gluon_attention_probe.py --compile-only   # registers, spills, MMA order; sm_90a, no GPU
 
 Triton 3.6's Gluon; Hopper only; no interpreter.
@@ -313,7 +314,7 @@ def _descs(q, k, v, w, o, side_n: int = 16):
             for t, box in zip((q, k, v, w, o), boxes, strict=True)]  # fmt: skip
 
 
-def measure(b: int, s: int, causal: bool, heads: int = 32, kv_heads: int = 8) -> dict:
+def measure(b: int, s: int, causal: bool, variants: list[Variant], heads: int = 32, kv_heads: int = 8) -> dict:
     from triton.testing import do_bench
 
     from aegis_sdc.kernels import triton_attention as ta
@@ -337,7 +338,7 @@ def measure(b: int, s: int, causal: bool, heads: int = 32, kv_heads: int = 8) ->
            "fault_row_expected": 3 * s}  # fmt: skip
     ref = torch.nn.functional.scaled_dot_product_attention(q4.float(), k4.float(), v4.float(), is_causal=causal,
                                                            enable_gqa=True)  # fmt: skip
-    for variant in VARIANTS:
+    for variant in variants:
         # values: O against SDPA in fp32 (P and O rounded to bf16: ~2⁻⁸ of the row's largest |O|)
         o.zero_()
         run(variant)
@@ -360,11 +361,11 @@ def measure(b: int, s: int, causal: bool, heads: int = 32, kv_heads: int = 8) ->
                                                                                         enable_gqa=True))  # fmt: skip
     row["triton_unchecked_ms"] = do_bench(lambda: ta.forward(qf, kf, vf, D**-0.5, causal, heads=heads, check=False))
     row["triton_checked_ms"] = do_bench(lambda: ta.forward(qf, kf, vf, D**-0.5, causal, heads=heads, check=True))
-    for variant in VARIANTS:
+    for variant in variants:
         row[f"{variant.name}_ms"] = do_bench(lambda variant=variant: run(variant))
-    for key in ("triton_unchecked", "triton_checked", *(v.name for v in VARIANTS)):
+    for key in ("triton_unchecked", "triton_checked", *(v.name for v in variants)):
         row[f"{key}_ratio"] = row["sdpa_ms"] / row[f"{key}_ms"]
-    for variant in VARIANTS:
+    for variant in variants:
         if variant.check:
             bare = "gluon_pipelined_bare" if variant.pipeline else "gluon_bare"
             row[f"{variant.name}_invariant_cost"] = row[f"{variant.name}_ms"] / row[f"{bare}_ms"] - 1
@@ -396,9 +397,14 @@ def compile_only() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gluon_attention_probe.json")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gluon_attention_probe.json",
+                        help="the record (JSON), written after every case")  # fmt: skip
     parser.add_argument("--compile-only", action="store_true", help="compile for sm_90a and report (no GPU)")
+    parser.add_argument("--pipeline", choices=["off", "on", "both"], default="both",
+                        help="which variants: without PIPELINE, with it, or both (a kernel that hangs takes the "
+                        "call with it: run the two in separate processes to keep what the first measured)")  # fmt: skip
     args = parser.parse_args()
+    variants = [v for v in VARIANTS if args.pipeline == "both" or v.pipeline == (args.pipeline == "on")]
     if args.compile_only:
         compile_only()
         return
@@ -410,11 +416,11 @@ def main() -> None:
     rows = []
     for b, s in ((4, 2048), (2, 4096), (1, 8192)):
         for causal in (True, False):
-            rows.append(measure(b, s, causal))
+            rows.append(measure(b, s, causal, variants))
             write_result(args.out, gpu_environment(seconds=round(time.time() - started, 1)), rows)
-    names = ("triton_unchecked", "triton_checked", *(v.name for v in VARIANTS))
+    names = ("triton_unchecked", "triton_checked", *(v.name for v in variants))
     summary = {f"median_{key}_ratio": statistics.median(r[f"{key}_ratio"] for r in rows) for key in names}
-    for variant in VARIANTS:
+    for variant in variants:
         if variant.check:
             key = f"{variant.name}_invariant_cost"
             summary[f"median_{key}"] = statistics.median(r[key] for r in rows)

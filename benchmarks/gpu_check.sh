@@ -19,7 +19,7 @@
 #   sensitivity   detection at r = 1 and false alarms at three shape classes (results/sensitivity.json)
 #   attention     the attention kernels' GPU tests and speed against SDPA (results/attention.json)
 #   gluon-attention        a checked attention forward in Gluon (the side MMA in P·V's group) against cuDNN
-#                          and our Triton forward (results/gluon_attention_probe.json)
+#                          and our Triton forward (results/gluon_attention_probe_pipeline_{off,on}.json)
 #   attention-diagnose     the attention kernels' time per kernel and with parts of the checks removed
 #                          (results/attention_diagnose.json)
 #   attention-tune         the attention kernels' blocks (results/attention_tune.json)
@@ -126,10 +126,13 @@ case "${1:-tests-1}" in
       2>&1 | tee "$out/attention_tests.log" | tail -15
     timeout 150 python benchmarks/attention.py --out benchmarks/results/attention.json 2>&1 | tee "$out/attention.log"
     cp benchmarks/results/attention.json "$out/" 2>/dev/null ;;
-  gluon-attention)
-    timeout 300 python benchmarks/gluon_attention_probe.py --out benchmarks/results/gluon_attention_probe.json 2>&1 \
-      | grep -v "Warn\|^ *$" | tee "$out/gluon_attention_probe.log" | cut -c1-600 | tail -14
-    cp benchmarks/results/gluon_attention_probe.json "$out/" ;;
+  gluon-attention)  # the pipelined variants in a process of their own: a hang there keeps the others' record
+    for form in off on; do
+      timeout 200 python benchmarks/gluon_attention_probe.py --pipeline $form \
+        --out benchmarks/results/gluon_attention_probe_pipeline_$form.json 2>&1 | grep -v "Warn\|^ *$" \
+        | tee "$out/gluon_attention_probe_$form.log" | cut -c1-600 | tail -12
+      cp benchmarks/results/gluon_attention_probe_pipeline_$form.json "$out/" 2>/dev/null
+    done ;;
   attention-diagnose)
     timeout 400 python benchmarks/attention_diagnose.py --out benchmarks/results/attention_diagnose.json 2>&1 \
       | grep -v Warn | tee "$out/attention_diagnose.log" | tail -20
