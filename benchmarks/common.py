@@ -125,6 +125,12 @@ def bundled_tool(*names: str) -> str:
     raise SystemExit(f"none of {names} under {tools}")
 
 
+def descriptor_type(box: list[int], dtype: str, layout: Any) -> str:
+    """A TMA descriptor argument's type as the compiler names it (`tensordesc<bf16[128, 64],…>`), for
+    compiling a Gluon kernel without a GPU; `dtype` as Triton spells it ("bf16", "fp32")."""
+    return f"tensordesc<{dtype}[{', '.join(map(str, box))}],{layout!r}>"
+
+
 def compile_for_sm90a(fn, signature: dict, constexprs: dict, gluon: bool = False, **options: Any):
     """`fn` (a Triton or, with `gluon`, a Gluon kernel) compiled for sm_90a on any machine, no GPU:
     (the compiled kernel, its ptxas -v report, registers per thread, spill store bytes, spill load bytes)."""

@@ -306,12 +306,17 @@ def gluon_attention_fwd_kernel(q_desc, k_desc, v_desc, w_desc, o_desc, ev_ptr, S
     tma.store_wait(pendings=0)
 
 
-def _descs(q, k, v, w, o, side_n: int = 16):
-    """TMA descriptors of the flattened operands ([rows, D] bf16; W_V [rows, 16], read `side_n` wide:
-    its columns hi, mid, lo, ‖V‖² and zeros — 8 is the narrowest wgmma)."""
+def _boxes(side_n: int) -> list[tuple[list[int], object]]:
+    """(box, shared layout) of the descriptors of q, k, v, W_V, o (bf16; W_V [rows, 16] read `side_n`
+    wide: its columns hi, mid, lo, ‖V‖² and zeros — 8 is the narrowest wgmma)."""
     boxes = ([BM, D], [BN, D], [BN, D], [BN, side_n], [BM, D])
-    return [TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
-            for t, box in zip((q, k, v, w, o), boxes, strict=True)]  # fmt: skip
+    return [(box, gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)) for box in boxes]
+
+
+def _descs(q, k, v, w, o, side_n: int = 16):
+    """TMA descriptors of the flattened operands ([rows, D]; W_V [rows, 16])."""
+    return [TensorDescriptor.from_tensor(t, box, layout)
+            for t, (box, layout) in zip((q, k, v, w, o), _boxes(side_n), strict=True)]  # fmt: skip
 
 
 def measure(b: int, s: int, causal: bool, variants: list[Variant], heads: int = 32, kv_heads: int = 8) -> dict:
@@ -376,14 +381,11 @@ def measure(b: int, s: int, causal: bool, variants: list[Variant], heads: int = 
 def compile_only() -> None:
     """Every variant compiled for sm_90a (no GPU): registers, spills and the order of MMA issues and waits."""
     from attention_registers import mma_sequence
-    from common import compile_for_sm90a
+    from common import compile_for_sm90a, descriptor_type
 
     for causal in (False, True):
         for variant in VARIANTS:
-            descs = []
-            for box in ([BM, D], [BN, D], [BN, D], [BN, variant.side_n], [BM, D]):
-                layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
-                descs.append(f"tensordesc<bf16[{', '.join(map(str, box))}],{layout!r}>")
+            descs = [descriptor_type(box, "bf16", layout) for box, layout in _boxes(variant.side_n)]
             signature = dict(zip(("q_desc", "k_desc", "v_desc", "w_desc", "o_desc"), descs, strict=True))
             signature.update(ev_ptr="*fp32", Sq="i32", Sk="i32", heads="i32", group="i32", scale2="fp32",
                              fault_head="i32")  # fmt: skip

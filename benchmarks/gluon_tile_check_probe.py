@@ -335,8 +335,10 @@ def _layouts(tile: Tile) -> list[tuple[list[int], object, object]]:
 
 def _signature(tile: Tile) -> dict[str, str]:
     """The descriptors' types as the compiler names them (for compiling without a GPU)."""
+    from common import descriptor_type
+
     names = {gl.bfloat16: "bf16", gl.float32: "fp32"}
-    descs = [f"tensordesc<{names[dt]}[{', '.join(map(str, box))}],{layout!r}>" for box, dt, layout in _layouts(tile)]
+    descs = [descriptor_type(box, names[dt], layout) for box, dt, layout in _layouts(tile)]
     return dict(zip(("a_desc", "b_desc", "c_desc", "cb_desc"), descs, strict=True))
 
 
