@@ -7,8 +7,9 @@ The checks cost our kernels 11–23% (`results/attention.json`, `invariant_cost_
               per kernel (the side passes `attention_sums_kernel`, the main kernels, the finishes),
               the mean over `--calls` calls
     parts     `kernels/triton_attention.py` loaded again from its source with one part of the checks
-              removed (`PARTS`), each variant's checked forward and backward timed beside the
-              unchanged checked and unchecked kernels (`do_bench` medians, same inputs)
+              removed, or the dQ kernel's blocks changed (`PARTS`), each variant's checked forward and
+              backward timed beside the unchanged checked and unchecked kernels (`do_bench` medians,
+              same inputs)
 
 Cases: 32 query / 8 key-value heads, D 128, bf16; 4 × 2048 causal and 1 × 8192 full (the two ends of
 `benchmarks/attention.py`'s table).
@@ -73,11 +74,9 @@ PARTS = {
     "q_no_side_mma": [
         ("            dq_ref = tl.dot(ds_op, _side(wk_ptr, offs_n, Sk, EVEN, UPCAST), dq_ref)\n", "", 1),
     ],
-    # the dQ kernel's checks after its loop (dO's norms, V's column sums over the key blocks, the
-    # comparisons: the part of the kernel where its spills sit — results/attention_registers.json)
-    "q_no_epilogue": [
-        ("    if CHECK:\n        dof = do.to(tl.float32)", "    if False:\n        dof = do.to(tl.float32)", 1)
-    ],
+    # the dQ kernel's checks (the comparisons after its loop, and with them the references they read,
+    # taken before it since the record of 12-07 — results/attention_registers.json for its spills)
+    "q_no_epilogue": [("    if CHECK:\n        dp_raw = ", "    if False:\n        dp_raw = ", 1)],
     # the dQ kernel's three row sums per key block (dP, dS, P)
     "q_no_row_sums": [
         (
@@ -87,6 +86,11 @@ PARTS = {
             1,
         )
     ],
+    # the dQ kernel's blocks (the checked kernel only; the unchecked stays at GPU_CONFIG's): narrower key
+    # blocks, or fewer query rows per program, for the registers its checks add to the loop
+    "q_bn64": [("q=Blocks(128, 128, 8, 2))", "q=Blocks(128, 64, 8, 2))", 1)],
+    "q_bn64_s3": [("q=Blocks(128, 128, 8, 2))", "q=Blocks(128, 64, 8, 3))", 1)],
+    "q_bm64": [("q=Blocks(128, 128, 8, 2))", "q=Blocks(64, 128, 4, 2))", 1)],
 }
 
 

@@ -581,6 +581,25 @@ def attention_bwd_q_kernel(
     wk_ptr += kv_head * Sk * 16
     seed = _head_seed(drop_ptr, head, DROPOUT)
     free, hi = _key_range(pid_m, Sq, Sk, CAUSAL, EVEN, BM, BN)
+    if CHECK:
+        # dP's reference and the dp and ds scales, taken before the loop from dO [BM, D] and V's
+        # per-block sums over the key blocks the loops will visit (whole blocks: dP is not masked),
+        # summed in block order: after the loop only [BM] vectors are left of them, so dO's fp32 copy
+        # does not live across the loop (taken after it, it spilled ~2.5 KB a thread and was most of
+        # the checked backward's cost: results/attention_diagnose.json, `q_no_epilogue`)
+        dof = do.to(tl.float32)
+        vcols = tl.zeros((D,), tl.float32)
+        vsq = 0.0
+        vmax = 0.0
+        block_row = kv_head * tl.cdiv(Sk, BN)
+        for b in range(0, tl.cdiv(hi, BN)):
+            vcols += tl.load(vcols_ptr + (block_row + b) * D + cols)
+            vsq += tl.load(vsq_ptr + block_row + b)
+            vmax = tl.maximum(vmax, tl.load(vmax_ptr + block_row + b))
+        dp_ref = tl.sum(dof * vcols[None, :], axis=1)  # dO_q·Σ_k V_k
+        do_norm = tl.sqrt(tl.sum(dof * dof, axis=1))
+        dp_scale = do_norm * tl.sqrt(vsq)
+        ds_scale = do_norm * tl.sqrt(vmax) * keep_scale  # under dropout each dP term enters dS times 1/(1 − p)
     if CAUSAL or not EVEN:
         dq, dq_ref, dp_sum, ds_sum, p_sum = _q_block(
             dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr, wk_ptr, sk_s, sv_s, offs_m, 0, free,
@@ -601,25 +620,11 @@ def attention_bwd_q_kernel(
     if STAGE == 5:
         dq = _fault(dq, offs_m, cols, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
     if CHECK:
-        dof = do.to(tl.float32)
-        do_norm = tl.sqrt(tl.sum(dof * dof, axis=1))
-        # V's column sums, Σ‖V_k‖² and max ‖V_k‖² over the key blocks the loops ran over (whole blocks:
-        # dP is not masked), summed here in block order from the side pass's per-block values
-        vcols = tl.zeros((D,), tl.float32)
-        vsq = 0.0
-        vmax = 0.0
-        block_row = kv_head * tl.cdiv(Sk, BN)
-        for b in range(0, tl.cdiv(hi, BN)):
-            vcols += tl.load(vcols_ptr + (block_row + b) * D + cols)
-            vsq += tl.load(vsq_ptr + block_row + b)
-            vmax = tl.maximum(vmax, tl.load(vmax_ptr + block_row + b))
-        dp_raw = tl.where(valid, dp_sum - tl.sum(dof * vcols[None, :], axis=1), 0.0)
-        dp_diff = _normalized(dp_raw, tl.maximum(do_norm * tl.sqrt(vsq), tl.abs(dp_sum)))
+        dp_raw = tl.where(valid, dp_sum - dp_ref, 0.0)
+        dp_diff = _normalized(dp_raw, tl.maximum(dp_scale, tl.abs(dp_sum)))
         dmag = tl.load(dmag_ptr + head * Sq + offs_m, mask=valid, other=0.0)
-        vmax = tl.sqrt(vmax)
         ds_raw = tl.where(valid, ds_sum, 0.0)
-        # under dropout each dP term enters dS times 1/(1 − p)
-        ds_diff = _normalized(ds_raw, do_norm * vmax * keep_scale + tl.abs(delta) + (u_out / U32) * dmag)
+        ds_diff = _normalized(ds_raw, ds_scale + tl.abs(delta) + (u_out / U32) * dmag)
         dq_side, _ = _side_sums(dq_ref)
         dq_raw = tl.where(valid, tl.sum(dq, axis=1) - dq_side, 0.0)
         dq_diff = _normalized(dq_raw, tl.maximum(tl.sqrt(tl.sum(dq * dq, axis=1)), tl.sum(tl.abs(dq), axis=1)))
