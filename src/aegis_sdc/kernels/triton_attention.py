@@ -19,7 +19,8 @@ across threads; what is left per tile is a row sum or two in the dQ kernel.
 
     forward   O_acc·1 against p·(V·1) (W of V), rescaled with the accumulator as the running maximum
               moves; scale u·sqrt(Σ_k p_qk ‖V_k‖²) (≥ the GEMM check's sqrt(Σ p² ‖V‖²), p ≤ 1).
-    backward  D = rowsum(dO ⊙ O) in the side pass of dO, then two kernels:
+    backward  D = rowsum(dO ⊙ O) in the side pass of dO, then two kernels, dQ's first (it also writes W
+              of Q, from the block of Q it loads anyway, for the dK/dV kernel):
       dk/dv   one program per (key block, head), looping over query blocks: dV = Pᵀ·dO and
               dK = c·dSᵀ·q. Checks: dv — dV's row sums against Pᵀ·(dO·1), scale
               u·sqrt(Σ_q P_qk ‖dO_q‖²); dk — dK's row sums against dSᵀ·(Q·1), scale u·‖dK_k‖.
@@ -132,6 +133,20 @@ def _vector(ptr, rows, n_rows, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _side_rows(x, sq_scale, DT: tl.constexpr):
+    """(W's rows [R, SIDE] as fp32 values of DT, ‖x‖² [R]) of x [R, D] fp32: hi, mid, lo of x·1 and
+    ‖x‖²·sq_scale (see the module docstring)."""
+    total = tl.sum(x, axis=1)
+    sq = tl.sum(x * x, axis=1)
+    hi = total.to(DT).to(tl.float32)
+    mid = (total - hi).to(DT).to(tl.float32)
+    lo = (total - hi - mid).to(DT).to(tl.float32)
+    c = tl.arange(0, 16)[None, :]
+    w = tl.where(c == 0, hi[:, None], tl.where(c == 1, mid[:, None], tl.where(c == 2, lo[:, None], 0.0)))
+    return tl.where(c == 3, (sq * sq_scale)[:, None], w), sq
+
+
+@triton.jit
 def _side_sums(acc_side):
     """(reference side, scale²) from a side accumulator [R, SIDE]: columns 0–2 summed, column 3."""
     cols = tl.arange(0, 16)[None, :]
@@ -227,15 +242,8 @@ def attention_sums_kernel(
     x_ptr += _at(n, heads, sx_b, sx_h)
     x = tl.load(x_ptr + rows[:, None] * sx_s + cols[None, :], mask=valid[:, None], other=0.0)
     x = x.to(tl.float32)
-    total = tl.sum(x, axis=1)
-    sq = tl.sum(x * x, axis=1)
-    hi = total.to(DT).to(tl.float32)
-    mid = (total - hi).to(DT).to(tl.float32)
-    lo = (total - hi - mid).to(DT).to(tl.float32)
-    c = tl.arange(0, 16)[None, :]
-    w = tl.where(c == 0, hi[:, None], tl.where(c == 1, mid[:, None], tl.where(c == 2, lo[:, None], 0.0)))
-    w = tl.where(c == 3, (sq * sq_scale)[:, None], w)
-    tl.store(w_ptr + (n * S + rows[:, None]) * 16 + c, w.to(DT), mask=valid[:, None])
+    w, sq = _side_rows(x, sq_scale, DT)
+    tl.store(w_ptr + (n * S + rows[:, None]) * 16 + tl.arange(0, 16)[None, :], w.to(DT), mask=valid[:, None])
     if WITH_COLS:
         slot = n * tl.num_programs(0) + pid
         tl.store(colsum_ptr + slot * D + cols, tl.sum(x, axis=0))
@@ -549,16 +557,19 @@ def _q_block(dq, dq_ref, dp_sum, ds_sum, p_sum, q, do, lse2, delta, k_ptr, v_ptr
 def attention_bwd_q_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, wk_ptr, vcols_ptr, vsq_ptr, vmax_ptr, lse_ptr, delta_ptr, dmag_ptr, dq_ptr,
     check_ptr,  # W of K [Nkv, Sk, SIDE]; per key block of V: column sums [Nkv, blocks, D], Σ and max of ‖V_k‖²
-    mask_ptr, sm_b, sm_h, sm_q,  # [Nkv, blocks] (blocks of BN keys); check [N, q_blocks, Q_CHECKS]
+    wq_ptr,  # [Nkv, blocks] (blocks of BN keys); check [N, q_blocks, Q_CHECKS]; W of Q [N, Sq, SIDE] (written)
+    mask_ptr, sm_b, sm_h, sm_q,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sdo_b, sdo_h, sdo_s,
-    Sq, Sk, scale, u_out, heads, group,
+    Sq, Sk, scale, u_out, sq_scale, heads, group,
     fault_head, fault_row, fault_col, fault_delta, fault_mask,
     drop_ptr, p_drop, keep_scale,  # dropout, as in the forward
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr,
     DROPOUT: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    """dQ of one query block, with the dp, ds and dq checks and the row sums of the recomputed P."""
+    """dQ of one query block, with the dp, ds and dq checks and the row sums of the recomputed P; with
+    CHECK also W of Q for the dK/dV kernel, which runs after it (its block of Q is loaded here anyway:
+    no pass over Q of its own)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = _kv_head(head, heads, group)
@@ -582,6 +593,9 @@ def attention_bwd_q_kernel(
     seed = _head_seed(drop_ptr, head, DROPOUT)
     free, hi = _key_range(pid_m, Sq, Sk, CAUSAL, EVEN, BM, BN)
     if CHECK:
+        w_q, _ = _side_rows(q.to(tl.float32), sq_scale, DT)
+        tl.store(wq_ptr + (head * Sq + offs_m[:, None]) * 16 + tl.arange(0, 16)[None, :], w_q.to(DT),
+                 mask=valid[:, None])  # fmt: skip
         # dP's reference and the dp and ds scales, taken before the loop from dO [BM, D] and V's
         # per-block sums over the key blocks the loops will visit (whole blocks: dP is not masked),
         # summed in block order: after the loop only [BM] vectors are left of them, so dO's fp32 copy
@@ -954,8 +968,9 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
     do = dout if dout.stride(-1) == 1 else dout.contiguous()
     wdo, _, _, _, delta, dmag = _sums(do, heads, o=out)  # D = rowsum(dO ⊙ O) [N, Sq] with the side operand of dO
     if check:
-        wq, wk = _sums(q, heads)[0], _sums(k, heads // group)[0]
+        wk = _sums(k, heads // group)[0]
         _, vcols, vsq, vmax, _, _ = _sums(v, heads // group, block=cfg.q.block_n, cols=True)
+        wq = torch.empty(n, sq, SIDE, dtype=q.dtype, device=q.device)  # written by the dQ kernel
     else:
         wq = wk = vcols = vsq = vmax = wdo
     dq = torch.empty(n, sq, d, dtype=torch.float32, device=q.device)
@@ -969,15 +984,16 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
                   DROPOUT=has_dropout, DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d)  # fmt: skip
     operands = (*_mask_args(mask, q, heads), *_strides(q, heads), *_strides(k, heads // group),
                 *_strides(v, heads // group), *_strides(do, heads))  # fmt: skip
+    u_out = torch.finfo(out.dtype).eps / 2
+    attention_bwd_q_kernel[(q_blocks, n)](
+        q, k, v, do, wk, vcols, vsq, vmax, lse, delta, dmag, dq, q_check, wq, *operands, sq, sk,
+        float(scale), u_out, _sq_scale(q.dtype), heads, group, *fargs, *dropout, EVEN=_even(sq, sk, cfg.q), **common,
+        **_launch_args(cfg.q),
+    )  # fmt: skip
     attention_bwd_kv_kernel[(k_blocks, n)](
         q, k, v, do, wq, wdo, lse, delta, dk, dv, kv_check, *operands, sq, sk, float(scale),
         1.0 / _sq_scale(q.dtype), heads, group, *fargs, *dropout, EVEN=_even(sq, sk, cfg.kv), **common,
         **_launch_args(cfg.kv),
-    )  # fmt: skip
-    u_out = torch.finfo(out.dtype).eps / 2
-    attention_bwd_q_kernel[(q_blocks, n)](
-        q, k, v, do, wk, vcols, vsq, vmax, lse, delta, dmag, dq, q_check, *operands, sq, sk, float(scale), u_out,
-        heads, group, *fargs, *dropout, EVEN=_even(sq, sk, cfg.q), **common, **_launch_args(cfg.q),
     )  # fmt: skip
     if not check:
         return Backward(dq, dk, dv, torch.empty(0), torch.empty(0))
