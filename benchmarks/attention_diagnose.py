@@ -74,8 +74,9 @@ PARTS = {
     "q_no_side_mma": [
         ("            dq_ref = tl.dot(ds_op, _side(wk_ptr, offs_n, Sk, EVEN, UPCAST), dq_ref)\n", "", 1),
     ],
-    # the dQ kernel's checks (the comparisons after its loop, and with them the references they read,
-    # taken before it since the record of 12-07 — results/attention_registers.json for its spills)
+    # the dQ kernel's comparisons after its loop — and with them, as dead code, all that feeds them: the
+    # references before the loop, the row sums and the side MMA in it, i.e. the dQ kernel unchecked
+    # while the dK/dV kernel and the side passes stay checked
     "q_no_epilogue": [("    if CHECK:\n        dp_raw = ", "    if False:\n        dp_raw = ", 1)],
     # the dQ kernel's three row sums per key block (dP, dS, P)
     "q_no_row_sums": [
