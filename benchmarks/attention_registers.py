@@ -34,7 +34,7 @@ KERNELS = {
     "bwd_kv": (ta.attention_bwd_kv_kernel, "kv"),
     "bwd_q": (ta.attention_bwd_q_kernel, "q"),
 }
-_F32_ARGS = {"scale", "sq_unscale", "fault_delta", "p_drop", "keep_scale", "u_out"}
+_F32_ARGS = {"scale", "sq_unscale", "sq_scale", "fault_delta", "p_drop", "keep_scale", "u_out"}
 _F32_PTRS = {"lse_ptr", "check_ptr", "mask_ptr", "delta_ptr", "dmag_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
              "vcols_ptr", "vsq_ptr", "vmax_ptr"}  # fmt: skip
 LOOP_OPCODES = ("STL", "LDL", "HGMMA", "SHFL")

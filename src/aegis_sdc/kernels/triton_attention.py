@@ -599,8 +599,8 @@ def attention_bwd_q_kernel(
         # dP's reference and the dp and ds scales, taken before the loop from dO [BM, D] and V's
         # per-block sums over the key blocks the loops will visit (whole blocks: dP is not masked),
         # summed in block order: after the loop only [BM] vectors are left of them, so dO's fp32 copy
-        # does not live across the loop (taken after it, it spilled ~2.5 KB a thread and was most of
-        # the checked backward's cost: results/attention_diagnose.json, `q_no_epilogue`)
+        # does not live across the loop (taken after it, the kernel spilled twice as much in its loops:
+        # results/attention_registers.json)
         dof = do.to(tl.float32)
         vcols = tl.zeros((D,), tl.float32)
         vsq = 0.0
