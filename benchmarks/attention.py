@@ -8,6 +8,8 @@ batch × seq = 4 × 2048, 2 × 4096, 1 × 8192; causal and full. Per case, times
     flash      SDPA's FlashAttention-2 backend
     unchecked  our kernels (kernels/triton_attention.py) without their checks
     checked    our kernels with every check
+    ws_unchecked, ws_checked   the warp-specialized forward (`GPU_FWD_WARP_SPECIALIZED`), forward only,
+               beside `GPU_CONFIG`'s forward in the same run
 
 for the forward and for the backward (SDPA: `torch.autograd.grad` of a retained graph; ours: the
 backward launch with its D = rowsum(dO ⊙ O) pass and the GQA group sums of dK and dV, as the op
@@ -77,6 +79,16 @@ def our_times(q, k, v, do, causal: bool, check: bool, forward_only: bool = False
     return fwd_ms, (float("nan") if forward_only else do_bench(backward))
 
 
+def ws_forward_times(q, k, v, do, causal: bool, check: bool) -> tuple[float, None]:
+    """(forward ms, None) of the warp-specialized forward."""
+    cfg = ta.GPU_CONFIG
+    ta.GPU_CONFIG = dataclasses.replace(cfg, fwd=ta.GPU_FWD_WARP_SPECIALIZED)
+    try:
+        return our_times(q, k, v, do, causal, check, forward_only=True)[0], None
+    finally:
+        ta.GPU_CONFIG = cfg
+
+
 def flops(b: int, s: int, causal: bool) -> tuple[float, float]:
     """(forward, backward) FLOPs: 2 GEMMs forward, 5 backward (with the recomputed scores), halved when causal."""
     per_gemm = 2 * b * HEADS * s * s * DIM * (0.5 if causal else 1.0)
@@ -86,7 +98,9 @@ def flops(b: int, s: int, causal: bool) -> tuple[float, float]:
 # (block_m, block_n, num_warps, num_stages) tried per kernel by --tune
 FWD_CANDIDATES = [ta.Blocks(*b) for b in (
     (64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3),
-    (128, 64, 8, 2), (64, 64, 4, 3))]  # fmt: skip
+    (128, 64, 8, 2), (64, 64, 4, 3),
+    # warp-specialized (4 warps per consumer group; 128 × 128 at 3 stages is past 227 KB of shared memory)
+    (128, 128, 4, 2, True), (128, 64, 4, 3, True), (128, 64, 4, 2, True))]  # fmt: skip
 KV_CANDIDATES = [ta.Blocks(*b) for b in (
     (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 2), (32, 128, 8, 2),
     (16, 64, 4, 3), (64, 64, 8, 3))]  # fmt: skip
@@ -149,24 +163,30 @@ def main() -> None:
                 "flash": sdpa_times(q, k, v, do, causal, torch.nn.attention.SDPBackend.FLASH_ATTENTION),
                 "unchecked": our_times(q, k, v, do, causal, False),
                 "checked": our_times(q, k, v, do, causal, True),
+                "ws_unchecked": ws_forward_times(q, k, v, do, causal, False),
+                "ws_checked": ws_forward_times(q, k, v, do, causal, True),
             }
             f_fwd, f_bwd = flops(b, s, causal)
             for mode, (fwd, bwd) in times.items():
                 row[f"{mode}_fwd_ms"], row[f"{mode}_bwd_ms"] = fwd, bwd
                 row[f"{mode}_fwd_tflops"] = f_fwd / fwd / 1e9 if fwd else None
                 row[f"{mode}_bwd_tflops"] = f_bwd / bwd / 1e9 if bwd else None
-            for mode in ("unchecked", "checked"):
+            for mode in ("unchecked", "checked", "ws_unchecked", "ws_checked"):
                 row[f"{mode}_fwd_ratio"] = row["default_fwd_ms"] / row[f"{mode}_fwd_ms"]
+            for mode in ("unchecked", "checked"):
                 row[f"{mode}_bwd_ratio"] = row["default_bwd_ms"] / row[f"{mode}_bwd_ms"]
             row["invariant_cost_fwd"] = row["checked_fwd_ms"] / row["unchecked_fwd_ms"] - 1
             row["invariant_cost_bwd"] = row["checked_bwd_ms"] / row["unchecked_bwd_ms"] - 1
+            row["invariant_cost_fwd_ws"] = row["ws_checked_fwd_ms"] / row["ws_unchecked_fwd_ms"] - 1
             rows.append(row)
             print(
                 f"B={b} S={s:5d} {'causal' if causal else 'full  '} | fwd TF/s default "
                 f"{row['default_fwd_tflops']:.0f} ours {row['checked_fwd_tflops']:.0f} "
                 f"(ratio {row['checked_fwd_ratio']:.3f}) | bwd default {row['default_bwd_tflops']:.0f} ours "
                 f"{row['checked_bwd_tflops']:.0f} (ratio {row['checked_bwd_ratio']:.3f}) | invariants "
-                f"+{row['invariant_cost_fwd']:.3f} / +{row['invariant_cost_bwd']:.3f}",
+                f"+{row['invariant_cost_fwd']:.3f} / +{row['invariant_cost_bwd']:.3f} | warp-specialized fwd "
+                f"{row['ws_checked_fwd_tflops']:.0f} (ratio {row['ws_checked_fwd_ratio']:.3f}, unchecked "
+                f"{row['ws_unchecked_fwd_ratio']:.3f})",
                 flush=True,
             )
     summary = {
@@ -177,6 +197,9 @@ def main() -> None:
         ),
         "median_fwd_ratio_unchecked": statistics.median(r["unchecked_fwd_ratio"] for r in rows),
         "median_bwd_ratio_unchecked": statistics.median(r["unchecked_bwd_ratio"] for r in rows),
+        "median_fwd_ratio_ws_checked": statistics.median(r["ws_checked_fwd_ratio"] for r in rows),
+        "median_fwd_ratio_ws_unchecked": statistics.median(r["ws_unchecked_fwd_ratio"] for r in rows),
+        "median_invariant_cost_fwd_ws": statistics.median(r["invariant_cost_fwd_ws"] for r in rows),
         "targets": TARGETS,
         "ratio": "SDPA default backend time / ours (1 = parity); invariant cost: checked / unchecked - 1",
     }
@@ -185,7 +208,8 @@ def main() -> None:
         and summary["median_bwd_ratio_default"] >= TARGETS["median_bwd_ratio_default"]
         and summary["median_invariant_cost"] <= TARGETS["median_invariant_cost"]
     )
-    env = gpu_environment(seconds=round(time.time() - started, 1), config=dataclasses.asdict(ta.config_for(DIM)))
+    env = gpu_environment(seconds=round(time.time() - started, 1), config=dataclasses.asdict(ta.config_for(DIM)),
+                          warp_specialized_fwd=dataclasses.asdict(ta.GPU_FWD_WARP_SPECIALIZED))  # fmt: skip
     write_result(args.out, env, rows, summary)
 
 

@@ -1,9 +1,9 @@
 """Registers and spills of the attention kernels on Hopper, and where the spills sit — computed on any machine.
 
-Compiles the forward, dK/dV and dQ kernels (`kernels/triton_attention.py`, the blocks of
-`GPU_CONFIG`; bf16, head dimension 128, no mask, no dropout), causal and full, unchecked and checked,
-for sm_90a with Triton's bundled `ptxas` (no GPU needed), and disassembles each with the bundled
-`nvdisasm` to count the local-memory stores and loads (`STL`, `LDL`: spill traffic) inside each of
+Compiles the forward (`GPU_CONFIG`'s and the warp-specialized one), dK/dV and dQ kernels
+(`kernels/triton_attention.py`; bf16, head dimension 128, no mask, no dropout), causal and full,
+unchecked and checked, for sm_90a with Triton's bundled `ptxas` (no GPU needed), and disassembles
+each with the bundled `nvdisasm` to count the local-memory stores and loads (`STL`, `LDL`: spill traffic) inside each of
 its loops — the K loops run once per key (query) block, so a spill there is paid by every block,
 one outside them once per program. Also counted per loop: `HGMMA` (wgmma instructions) and `SHFL`
 (reductions across threads); and per kernel the order in which its PTX issues and waits for its
@@ -29,10 +29,11 @@ from common import bundled_tool, compile_for_sm90a, write_result
 
 from aegis_sdc.kernels import triton_attention as ta
 
-KERNELS = {
-    "fwd": (ta.attention_fwd_kernel, "fwd"),
-    "bwd_kv": (ta.attention_bwd_kv_kernel, "kv"),
-    "bwd_q": (ta.attention_bwd_q_kernel, "q"),
+KERNELS = {  # kernel, its blocks
+    "fwd": (ta.attention_fwd_kernel, ta.GPU_CONFIG.fwd),
+    "fwd_ws": (ta.attention_fwd_ws_kernel, ta.GPU_FWD_WARP_SPECIALIZED),
+    "bwd_kv": (ta.attention_bwd_kv_kernel, ta.GPU_CONFIG.kv),
+    "bwd_q": (ta.attention_bwd_q_kernel, ta.GPU_CONFIG.q),
 }
 _F32_ARGS = {"scale", "sq_unscale", "sq_scale", "fault_delta", "p_drop", "keep_scale", "u_out"}
 _F32_PTRS = {"lse_ptr", "check_ptr", "mask_ptr", "delta_ptr", "dmag_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
@@ -80,10 +81,11 @@ def _count(lines: list[str], opcode: str) -> int:
 
 
 def measure(kernel: str, causal: bool, check: bool) -> dict:
-    fn, which = KERNELS[kernel]
-    blocks = getattr(ta.GPU_CONFIG, which)
+    fn, blocks = KERNELS[kernel]
     constexprs = dict(CAUSAL=causal, HAS_MASK=False, CHECK=check, MODEL=0, STAGE=ta.NO_STAGE, DROPOUT=False,
-                      EVEN=True, DT=tl.bfloat16, UPCAST=False, D=128, BM=blocks.block_m, BN=blocks.block_n)  # fmt: skip
+                      EVEN=True, DT=tl.bfloat16, UPCAST=False, D=128, BM=blocks.block_m, BN=blocks.block_n,
+                      STAGES=blocks.num_stages)  # fmt: skip
+    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     types = {k: v for k, v in _signature(fn, constexprs).items() if v != "constexpr"}
     compiled, _, registers, stores, loads = compile_for_sm90a(fn, types, constexprs, num_warps=blocks.num_warps,
                                                               num_stages=blocks.num_stages)  # fmt: skip
@@ -93,7 +95,8 @@ def measure(kernel: str, causal: bool, check: bool) -> dict:
         sass = subprocess.run([bundled_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
                               check=True).stdout.splitlines()  # fmt: skip
     row = {"kernel": kernel, "causal": causal, "check": check, "blocks": dataclasses.asdict(blocks),
-           "registers": registers, "spill_store_bytes": stores,
+           "registers": registers, "spill_store_bytes": stores, "shared_bytes": compiled.metadata.shared,
+           "warp_specialized": "setmaxnreg" in compiled.asm["ptx"],
            "spill_load_bytes": loads, "stl": _count(sass, "STL"), "ldl": _count(sass, "LDL"),
            "mma_sequence": mma_sequence(compiled.asm["ptx"]),
            "loops": [{"sass_lines": b - a, **{op.lower(): _count(sass[a:b], op) for op in LOOP_OPCODES}}

@@ -17,7 +17,8 @@
 #   tune          choose the configuration per shape class (benchmarks/gemm_tune.py → results/gemm_tune.json)
 #   gemm-1/gemm-2 the GEMM record (benchmarks/results/gemm.json), models split over two calls
 #   sensitivity   detection at r = 1 and false alarms at three shape classes (results/sensitivity.json)
-#   attention     the attention kernels' GPU tests and speed against SDPA (results/attention.json)
+#   attention     the attention kernels' GPU tests and speed against SDPA, the warp-specialized forward beside
+#                 the other (results/attention.json)
 #   gluon-attention        a checked attention forward in Gluon (the side MMA in P·V's group) against cuDNN
 #                          and our Triton forward (results/gluon_attention_probe_pipeline_{off,on}.json)
 #   attention-diagnose     the attention kernels' time per kernel and with parts of the checks removed
@@ -122,9 +123,9 @@ case "${1:-tests-1}" in
   sensitivity)
     timeout 570 python benchmarks/sensitivity.py --out "$out/sensitivity.json" 2>&1 | tee "$out/sensitivity.log" ;;
   attention)
-    timeout 170 python -m pytest -q -m gpu tests/test_triton_attention.py tests/test_attention.py -p no:cacheprovider \
+    timeout 240 python -m pytest -q -m gpu tests/test_triton_attention.py tests/test_attention.py -p no:cacheprovider \
       2>&1 | tee "$out/attention_tests.log" | tail -15
-    timeout 150 python benchmarks/attention.py --out benchmarks/results/attention.json 2>&1 | tee "$out/attention.log"
+    timeout 240 python benchmarks/attention.py --out benchmarks/results/attention.json 2>&1 | tee "$out/attention.log"
     cp benchmarks/results/attention.json "$out/" 2>/dev/null ;;
   gluon-attention)  # the pipelined variants in a process of their own: a hang there keeps the others' record
     for form in off on; do

@@ -6,6 +6,7 @@ On the CPU these run under TRITON_INTERPRET=1 (conftest) with fp32 and fp16 oper
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -21,6 +22,24 @@ from aegis_sdc.sensors.thresholds import worst_case_bound
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 U = 2.0**-24
+
+
+@pytest.fixture(params=["pointer_loads", "warp_specialized"])
+def fwd_kernel(request, monkeypatch):
+    """The forward a test runs: the kernel with pointer loads, or — for calls without an attn_mask or
+    dropout — the warp-specialized one with TMA loads (`Blocks.warp_specialize`; under the
+    interpreter the same code, unspecialized, with the interpreter's blocks)."""
+    if request.param == "warp_specialized":
+        warp_specialized_forward(monkeypatch)
+    return request.param
+
+
+def warp_specialized_forward(monkeypatch) -> None:
+    """Forward calls from here on run the warp-specialized kernel (where they can)."""
+    gpu, interpreter = ta.GPU_CONFIG, ta.INTERPRETER_CONFIG
+    monkeypatch.setattr(ta, "GPU_CONFIG", dataclasses.replace(gpu, fwd=ta.GPU_FWD_WARP_SPECIALIZED))
+    ws = dataclasses.replace(interpreter.fwd, warp_specialize=True)
+    monkeypatch.setattr(ta, "INTERPRETER_CONFIG", dataclasses.replace(interpreter, fwd=ws))
 
 
 def operands(n, sq, sk, d, dtype, seed=0):
@@ -39,7 +58,7 @@ def fault(head: int, stage: str, model: str = "bitflip", delta: float = 0.0) -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 # partial blocks; Sq < Sk (causal: queries aligned to the end of the keys)
 @pytest.mark.parametrize("shape", [(3, 40, 40, 16), (2, 24, 56, 32)])
-def test_values_and_gradients_match_the_reference_path(shape, dtype, causal):
+def test_values_and_gradients_match_the_reference_path(shape, dtype, causal, fwd_kernel):
     n, sq, sk, d = shape
     q, k, v, do = operands(n, sq, sk, d, dtype)
     scale = 1 / math.sqrt(d)
@@ -65,7 +84,7 @@ def test_values_and_gradients_match_the_reference_path(shape, dtype, causal):
         assert torch.all(gb.values[i] <= bounds[i]), (name, gb.values[i])
 
 
-def test_gqa_strided_operands_are_read_in_place():
+def test_gqa_strided_operands_are_read_in_place(fwd_kernel):
     # q as a transposed view ([B, S, H, D] storage), as Hugging Face attention hands it over
     b, h, s, d = 2, 4, 32, 16
     g = torch.Generator().manual_seed(1)
@@ -80,7 +99,7 @@ def test_gqa_strided_operands_are_read_in_place():
     assert q.shape == (b * h, s, d)
 
 
-def test_a_call_replays_bit_for_bit():
+def test_a_call_replays_bit_for_bit(fwd_kernel):
     q, k, v, do = operands(2, 48, 48, 32, torch.float16, seed=3)
     runs = [ta.forward(q, k, v, 0.2, True) for _ in range(2)]
     assert torch.equal(runs[0].out, runs[1].out) and torch.equal(runs[0].values, runs[1].values)
@@ -90,7 +109,7 @@ def test_a_call_replays_bit_for_bit():
 
 
 @pytest.mark.parametrize("causal,dropout", [(False, 0.0), (True, 0.0), (False, 0.25)])
-def test_a_head_copy_replays_the_heads_bits(causal, dropout):
+def test_a_head_copy_replays_the_heads_bits(causal, dropout, fwd_kernel):
     # The Triton path chooses an alarmed call's suspect head on the device and keeps a copy of that
     # head alone (a one-head problem, ops/checked_attention.CallContext.head_copy). Its replay must
     # compute the batched call's bits for that head exactly — outputs, lse, gradients, every check
@@ -181,7 +200,7 @@ def test_a_fault_in_each_backward_stage_is_seen_by_its_check_in_its_head(stage, 
 
 
 @pytest.mark.parametrize("stage", ["pv"])
-def test_a_forward_fault_is_seen_by_the_forward_check(stage):
+def test_a_forward_fault_is_seen_by_the_forward_check(stage, fwd_kernel):
     q, k, v, _ = operands(2, 32, 32, 16, torch.float32, seed=6)
     clean = ta.forward(q, k, v, 0.25, False)
     hit = ta.forward(q, k, v, 0.25, False, fault(0, stage, model="perturb", delta=1e-3))
@@ -193,7 +212,7 @@ def test_a_forward_fault_is_seen_by_the_forward_check(stage):
 
 
 @pytest.mark.parametrize("stage", ["qk", "softmax"])
-def test_a_forward_score_fault_reaches_the_backward_row_sums_through_the_saved_lse(stage):
+def test_a_forward_score_fault_reaches_the_backward_row_sums_through_the_saved_lse(stage, fwd_kernel):
     # The forward check compares O with the same (wrong) P; the saved lse carries the fault, and the
     # backward's recomputed rows of P no longer sum to 1.
     q, k, v, do = operands(2, 32, 32, 16, torch.float32, seed=7)
@@ -251,7 +270,7 @@ def test_a_protected_model_on_the_triton_kernels_confirms_faults_and_nothing_els
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_kernels_at_real_shapes(dtype, causal):
+def test_gpu_kernels_at_real_shapes(dtype, causal, fwd_kernel):
     # 2 × 8 heads of 1024 tokens, D = 128, compiled for the GPU: values against the reference path
     # (bf16 rounding of P and dS for the MMAs: 2⁻⁸ of the largest output), clean values under the
     # sensor's starting bounds, a fault per backward stage seen in its head, bit-exact reruns.
@@ -275,7 +294,7 @@ def test_gpu_kernels_at_real_shapes(dtype, causal):
         assert float(hit.values[row, 1]) > 100 * float(grads.values[row].max()), stage
 
 
-def test_gqa_heads_are_read_in_place_and_unchecked_runs_compute_the_same():
+def test_gqa_heads_are_read_in_place_and_unchecked_runs_compute_the_same(fwd_kernel):
     # 2 batches × 4 query heads over 2 key/value heads: the kernels index K and V per group instead
     # of an expanded copy — bit for bit what the expanded operands give; check=False drops only the checks.
     b, h, hkv, s, d = 2, 4, 2, 32, 16
@@ -368,3 +387,41 @@ def test_a_query_row_with_no_key_gives_zeros_and_no_alarm():
     assert torch.equal(grads.dq[:, 5], torch.zeros_like(grads.dq[:, 5]))
     assert all(bool(torch.isfinite(t).all()) for t in (fwd.out, grads.dq, grads.dk, grads.dv, grads.values))
     assert torch.all(fwd.values <= worst_case_bound(s, d)) and torch.all(grads.values[0] <= ref.backward_bound(s, s))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(3, 48, 48, 16), (2, 40, 56, 32)])  # block multiples; partial blocks, Sq < Sk
+def test_the_warp_specialized_forward_computes_what_the_pointer_kernel_does(shape, causal, monkeypatch):
+    # One code (`_fwd_step`) behind both kernels: the same outputs, lse and check values (the max of
+    # per-row values against the max of per-block maxima; Σ raw² summed in another order), and a
+    # fault in each forward stage seen in its head.
+    n, sq, sk, d = shape
+    q, k, v, _ = operands(n, sq, sk, d, torch.float16, seed=41)
+    pointer = ta.forward(q, k, v, 0.25, causal)
+    warp_specialized_forward(monkeypatch)
+    specialized = ta.forward(q, k, v, 0.25, causal)
+    same_blocks = DEVICE == "cpu"  # on a GPU the two kernels' blocks differ: their sums, in another order
+    tol = 0.0 if same_blocks else 2**-8 * float(pointer.out.float().abs().max())  # P rounded to fp16 per block
+    assert torch.allclose(specialized.out.float(), pointer.out.float(), atol=tol, rtol=0)
+    assert torch.allclose(specialized.lse, pointer.lse, atol=0 if same_blocks else 1e-5, rtol=0)
+    if same_blocks:
+        assert torch.equal(specialized.values, pointer.values)
+    assert torch.allclose(specialized.raw_l2, pointer.raw_l2, rtol=1e-5, atol=1e-12)
+    assert torch.all(specialized.values <= worst_case_bound(sk, d))
+    hit = ta.forward(q, k, v, 0.25, causal, fault(1, "pv", model="perturb", delta=1e-2))
+    assert float(hit.values[1]) > 100 * float(specialized.values.max())
+    assert torch.equal(hit.values[[0, 2][: n - 1]], specialized.values[[0, 2][: n - 1]])
+
+
+def test_the_warp_specialized_forward_reads_unaligned_views_through_an_aligned_copy(monkeypatch):
+    # TMA needs 16-byte aligned starts and strides: a view at an odd element offset (a slice of a
+    # fused projection) is copied first — the kernel stays the same, so the bits do too.
+    warp_specialized_forward(monkeypatch)
+    q, k, v, _ = operands(2, 32, 32, 16, torch.float16, seed=43)
+    store = torch.zeros(2 * 32 * 16 + 1, dtype=torch.float16, device=DEVICE)
+    odd = store[1:].view(2, 32, 16)
+    odd.copy_(k)
+    assert odd.data_ptr() % 16 != 0 and ta._tma_operand(odd).data_ptr() % 16 == 0
+    assert ta._tma_operand(k) is k
+    want, got = ta.forward(q, k, v, 0.25, True), ta.forward(q, odd, v, 0.25, True)
+    assert torch.equal(got.out, want.out) and torch.equal(got.values, want.values)

@@ -8,7 +8,9 @@ one head and reduces its K dimension in one fixed order: no atomics, so a call r
 Speed. Scores are kept in base 2 (c·log₂e folded into one multiply, `exp2`); a causal program runs its
 key (or query) blocks in two loops, the blocks every row sees without any mask and the diagonal band
 with it; operands whose lengths are block multiples (`EVEN`) load without bounds masks; the dK/dV
-kernel works on transposed tiles (Sᵀ = K·Qᵀ) so that no register tile is transposed.
+kernel works on transposed tiles (Sᵀ = K·Qᵀ) so that no register tile is transposed. A second forward,
+`attention_fwd_ws_kernel` (`Blocks.warp_specialize`), takes K and V by TMA from a producer warp group
+and splits each block's rows over two consumer warp groups (Hopper; docs/attention.md).
 
 Checks. Each reference side is a narrow MMA on the tensor cores against a side operand W [rows, 16]
 made once per call by `attention_sums_kernel`: columns 0–2 the hi/mid/lo parts of x·1 (three parts in
@@ -66,6 +68,7 @@ import triton.language as tl
 
 from aegis_sdc.kernels.attention_reference import BACKWARD_CHECKS, STAGES, Backward, Forward, HeadFault
 from aegis_sdc.kernels.grid import ceil_div
+from aegis_sdc.kernels.triton_gemm import descriptor_scratch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 U32 = tl.constexpr(2.0**-24)
@@ -292,38 +295,84 @@ def _head_seed(drop_ptr, head, DROPOUT: tl.constexpr):
 
 
 @triton.jit
+def _fwd_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, head, mask_ptr, sm_q, Sq, Sk, scale2,
+              fault_head, fault_row, fault_col, fault_delta, fault_mask, seed, p_drop, keep_scale,
+              DROPOUT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+              MODEL: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """One key block of the online softmax, k and v [BN, D] as the caller loaded them; MASKED applies
+    the causal and bounds masks. Returns the MMA's operand p and the rescale α too: the caller's
+    reference side multiplies the same p (after the P·V MMA, where the pointer loop loads W)."""
+    s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_q, Sq, Sk, scale2,
+                fault_head, fault_row, fault_col, fault_delta, fault_mask, HAS_MASK, MODEL, STAGE)  # fmt: skip
+    if MASKED:
+        s = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = m_new
+    if MASKED or HAS_MASK:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key seen yet
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    if STAGE == 1:
+        p = _fault(p, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
+    l_i = l_i * alpha + tl.sum(p, axis=1)  # the normalizer sums every p, kept or dropped
+    if DROPOUT:
+        p = p * _keep_scale(seed, offs_m, offs_n, Sk, p_drop, keep_scale, False)
+    p_op = _operand(p, DT, UPCAST)  # the MMA's operand; the reference side multiplies the same
+    acc = tl.dot(p_op, v, acc * alpha[:, None])
+    return acc, m_new, l_i, p_op, alpha
+
+
+@triton.jit
 def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, lo, hi, head,
                mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask,
                seed, p_drop, keep_scale, DROPOUT: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr,
                MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr, DT: tl.constexpr,
                UPCAST: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):  # fmt: skip
-    """The online softmax over key blocks [lo, hi): MASKED blocks apply the causal and bounds masks."""
+    """The online softmax over key blocks [lo, hi), loaded through pointers."""
     for start_n in range(lo, hi, BN):
         offs_n = start_n + tl.arange(0, BN)
         k = _tile(k_ptr, offs_n, Sk, sk_s, D, EVEN, UPCAST)
         v = _tile(v_ptr, offs_n, Sk, sv_s, D, EVEN, UPCAST)
-        s = _scores(q, k, offs_m, offs_n, head, mask_ptr, sm_q, Sq, Sk, scale2,
-                    fault_head, fault_row, fault_col, fault_delta, fault_mask, HAS_MASK, MODEL, STAGE)  # fmt: skip
-        if MASKED:
-            s = tl.where(_visible(offs_m, offs_n, Sq, Sk, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = m_new
-        if MASKED or HAS_MASK:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key seen yet
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(s - m_use[:, None])
-        if STAGE == 1:
-            p = _fault(p, offs_m, offs_n, head, fault_head, fault_row, fault_col, fault_delta, fault_mask, MODEL)
-        l_i = l_i * alpha + tl.sum(p, axis=1)  # the normalizer sums every p, kept or dropped
-        if DROPOUT:
-            p = p * _keep_scale(seed, offs_m, offs_n, Sk, p_drop, keep_scale, False)
-        p_op = _operand(p, DT, UPCAST)  # the MMA's operand; the reference side multiplies the same
-        acc = tl.dot(p_op, v, acc * alpha[:, None])
+        acc, m_i, l_i, p_op, alpha = _fwd_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, head, mask_ptr, sm_q, Sq, Sk,
+                                               scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask, seed,
+                                               p_drop, keep_scale, DROPOUT, MASKED, CAUSAL, HAS_MASK, MODEL, STAGE,
+                                               DT, UPCAST)  # fmt: skip
         if CHECK:
             ref = tl.dot(p_op, _side(w_ptr, offs_n, Sk, EVEN, UPCAST), ref * alpha[:, None])
-        m_i = m_new
     return acc, ref, m_i, l_i
+
+
+@triton.jit
+def _fwd_finish(acc, ref, m_i, l_i, offs_m, head, heads, check_ptr, o_ptr, lse_ptr, so_b, so_h, so_s, Sq,
+                sq_unscale, fault_head, fault_row, fault_col, fault_delta, fault_mask, CHECK: tl.constexpr,
+                MODEL: tl.constexpr, STAGE: tl.constexpr, D: tl.constexpr, PER_ROW: tl.constexpr):  # fmt: skip
+    """A query block's end: its check (the block's largest normalized difference and Σ raw² into
+    check_ptr [N, q_blocks, 2]; PER_ROW: each row's into [N, Sq, 2]), the normalized output and the
+    log-sum-exp (natural log)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    if STAGE == 2:  # an error of `delta` in the normalized output is delta·ℓ in the accumulator
+        acc = _fault(acc, offs_m, tl.arange(0, D), head, fault_head, fault_row, fault_col,
+                     fault_delta * l_safe[:, None], fault_mask, MODEL)  # fmt: skip
+    valid = offs_m < Sq
+    if CHECK:
+        side, ssq = _side_sums(ref)
+        raw = tl.sum(acc, axis=1) - side
+        diff = _normalized(raw, tl.maximum(tl.sqrt(ssq * sq_unscale), tl.sum(tl.abs(acc), axis=1)))
+        raw = raw / l_safe  # in units of the normalized output, as the reference path reports it
+        if PER_ROW:  # the warp-specialized kernel's consumers each own half of the rows: no sum across them
+            slot = check_ptr + (head * Sq + offs_m) * 2
+            tl.store(slot, tl.where(diff != diff, float("inf"), diff), mask=valid)
+            tl.store(slot + 1, raw * raw, mask=valid)
+        else:
+            slot = check_ptr + (head * tl.num_programs(0) + tl.program_id(0)) * 2
+            tl.store(slot, _block_max(diff, valid))
+            tl.store(slot + 1, tl.sum(tl.where(valid, raw * raw, 0.0), axis=0))
+    out = acc / l_safe[:, None]
+    cols = tl.arange(0, D)
+    o_ptr += _at(head, heads, so_b, so_h)
+    tl.store(o_ptr + offs_m[:, None] * so_s + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(lse_ptr + head * Sq + offs_m, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, mask=valid)
 
 
 # A fault's element and bit are runtime values, not specializations: an injection at a new element
@@ -373,24 +422,65 @@ def attention_fwd_kernel(
                                         head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
                                         fault_delta, fault_mask, seed, p_drop, keep_scale, DROPOUT, False, CAUSAL,
                                         HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    if STAGE == 2:  # an error of `delta` in the normalized output is delta·ℓ in the accumulator
-        acc = _fault(acc, offs_m, tl.arange(0, D), head, fault_head, fault_row, fault_col,
-                     fault_delta * l_safe[:, None], fault_mask, MODEL)  # fmt: skip
-    valid = offs_m < Sq
-    if CHECK:
-        side, ssq = _side_sums(ref)
-        raw = tl.sum(acc, axis=1) - side
-        diff = _normalized(raw, tl.maximum(tl.sqrt(ssq * sq_unscale), tl.sum(tl.abs(acc), axis=1)))
-        raw = raw / l_safe  # in units of the normalized output, as the reference path reports it
-        slot = check_ptr + (head * tl.num_programs(0) + pid_m) * 2
-        tl.store(slot, _block_max(diff, valid))
-        tl.store(slot + 1, tl.sum(tl.where(valid, raw * raw, 0.0), axis=0))
-    out = acc / l_safe[:, None]
-    cols = tl.arange(0, D)
-    o_ptr += _at(head, heads, so_b, so_h)
-    tl.store(o_ptr + offs_m[:, None] * so_s + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
-    tl.store(lse_ptr + head * Sq + offs_m, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, mask=valid)
+    _fwd_finish(acc, ref, m_i, l_i, offs_m, head, heads, check_ptr, o_ptr, lse_ptr, so_b, so_h, so_s, Sq, sq_unscale,
+                fault_head, fault_row, fault_col, fault_delta, fault_mask, CHECK, MODEL, STAGE, D, False)  # fmt: skip
+
+
+@triton.jit
+def _up(x, UPCAST: tl.constexpr):
+    return x.to(tl.float32) if UPCAST else x
+
+
+@triton.jit(do_not_specialize=_FAULT_INTS)
+def attention_fwd_ws_kernel(
+    q_ptr, k_ptr, v_ptr, wv_ptr, o_ptr, lse_ptr, check_ptr,  # as attention_fwd_kernel's, check [N, Sq, 2]
+    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
+    Sq, Sk, scale, sq_unscale, heads, group,
+    fault_head, fault_row, fault_col, fault_delta, fault_mask,
+    CAUSAL: tl.constexpr, CHECK: tl.constexpr, MODEL: tl.constexpr, STAGE: tl.constexpr, EVEN: tl.constexpr,
+    DT: tl.constexpr, UPCAST: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    """The forward of `attention_fwd_kernel` (no attn_mask, no dropout) warp-specialized on Hopper:
+    K, V and W of V come by TMA (descriptors built on the device) from a producer warp group, and
+    two consumer warp groups each take half of the block's rows, so that one's softmax runs while
+    the other's MMAs do (FlashAttention-3's overlap, left to the hardware's warp schedulers). Triton
+    3.6 specializes one such loop per kernel, so a causal block visits its keys in one loop that
+    masks every block (the split into unmasked blocks and the diagonal band needs two), and its check
+    values are stored per row (a reduction over the rows would cross the consumers), reduced by the
+    finish kernel as the other kernel's per block. Q, too, comes by TMA. Elsewhere (the interpreter,
+    other GPUs) the same code runs unspecialized."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = _kv_head(head, heads, group)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    q_desc = tl.make_tensor_descriptor(q_ptr + _at(head, heads, sq_b, sq_h), shape=[Sq, D], strides=[sq_s, 1],
+                                       block_shape=[BM, D])  # fmt: skip
+    q = _up(q_desc.load([pid_m * BM, 0]), UPCAST)  # (a pointer load here stops Triton 3.6 specializing)
+    scale2 = scale * 1.4426950408889634
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, D), tl.float32)
+    ref = tl.zeros((BM, 16), tl.float32)
+    k_desc = tl.make_tensor_descriptor(k_ptr + _at(kv_head, heads // group, sk_b, sk_h), shape=[Sk, D],
+                                       strides=[sk_s, 1], block_shape=[BN, D])  # fmt: skip
+    v_desc = tl.make_tensor_descriptor(v_ptr + _at(kv_head, heads // group, sv_b, sv_h), shape=[Sk, D],
+                                       strides=[sv_s, 1], block_shape=[BN, D])  # fmt: skip
+    w_desc = tl.make_tensor_descriptor(wv_ptr + kv_head * Sk * 16, shape=[Sk, 16], strides=[16, 1],
+                                       block_shape=[BN, 16])  # fmt: skip
+    hi = _key_range(pid_m, Sq, Sk, CAUSAL, EVEN, BM, BN)[1]
+    for start_n in tl.range(0, hi, BN, num_stages=STAGES, warp_specialize=True):
+        offs_n = start_n + tl.arange(0, BN)
+        k = _up(k_desc.load([start_n, 0]), UPCAST)  # rows past Sk read as zeros (and are masked)
+        v = _up(v_desc.load([start_n, 0]), UPCAST)
+        acc, m_i, l_i, p_op, alpha = _fwd_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, head, q_ptr, 0, Sq, Sk, scale2,
+                                               fault_head, fault_row, fault_col, fault_delta, fault_mask, 0, 0.0, 1.0,
+                                               False, CAUSAL or not EVEN, CAUSAL, False, MODEL, STAGE, DT,
+                                               UPCAST)  # fmt: skip
+        if CHECK:
+            ref = tl.dot(p_op, _up(w_desc.load([start_n, 0]), UPCAST), ref * alpha[:, None])
+    _fwd_finish(acc, ref, m_i, l_i, offs_m, head, heads, check_ptr, o_ptr, lse_ptr, so_b, so_h, so_s, Sq, sq_unscale,
+                fault_head, fault_row, fault_col, fault_delta, fault_mask, CHECK, MODEL, STAGE, D, True)  # fmt: skip
 
 
 @triton.jit
@@ -738,6 +828,10 @@ class Blocks:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    # (forward) calls without an attn_mask or dropout, head dimension ≤ WS_MAX_HEAD_DIM, run
+    # `attention_fwd_ws_kernel`: warp-specialized on Hopper with num_warps = 4 (a producer and two
+    # consumer warp groups); its own bits, so a replay, which has the call's blocks, runs it too
+    warp_specialize: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -753,6 +847,13 @@ class AttentionConfig:
 # Chosen on the H200 with benchmarks/attention.py --tune (bf16, head dimension 128, checked kernels;
 # the sum of four cases 4 × 2048 and 1 × 8192, causal and full: results in the tune record).
 GPU_CONFIG = AttentionConfig(fwd=Blocks(128, 64, 8, 3), kv=Blocks(32, 64, 4, 3), q=Blocks(128, 128, 8, 2))
+# The warp-specialized forward (`attention_fwd_ws_kernel`): 128 query rows, 64 per consumer warp group,
+# 128 keys per block in two stages (189 KB of shared memory checked, 0 spills, sm_90a under Triton 3.6:
+# benchmarks/attention_registers.py). benchmarks/attention.py times it beside GPU_CONFIG's forward;
+# it becomes GPU_CONFIG.fwd where it is the faster.
+GPU_FWD_WARP_SPECIALIZED = Blocks(128, 128, 4, 2, warp_specialize=True)
+# past this head dimension its two stages of K and V need more shared memory than Hopper has (353 KB at 256)
+WS_MAX_HEAD_DIM = 128
 # The interpreter runs one program at a time on the CPU: small blocks keep the tests fast.
 INTERPRETER_CONFIG = AttentionConfig(fwd=Blocks(16, 16, 4, 1), kv=Blocks(16, 16, 4, 1), q=Blocks(16, 16, 4, 1))
 
@@ -763,6 +864,17 @@ def config_for(head_dim: int) -> AttentionConfig:
 
 def _launch_args(blocks: Blocks) -> dict:
     return dict(BM=blocks.block_m, BN=blocks.block_n, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+
+def _tma_operand(x: torch.Tensor) -> torch.Tensor:
+    """x as a TMA descriptor can read it — its start and every stride in use 16-byte aligned — or an
+    aligned copy (a view into an odd offset of a fused projection: rare). The kernel stays the same
+    either way, so a call and its replays compute the same bits."""
+    size = x.element_size()
+    strides = [st for st, n in zip(x.stride()[:-1], x.shape[:-1], strict=True) if n > 1]  # those in use
+    if x.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in strides):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0) -> str | None:
@@ -939,6 +1051,17 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
     checks = torch.empty(n, q_blocks, FWD_CHECKS, dtype=torch.float32, device=q.device)
     wv = _sums(v, heads // group)[0] if check else q
     model, stage, fargs = _fault_args(fault, False, sq, sk, d)
+    if cfg.warp_specialize and mask is None and not has_dropout and d <= WS_MAX_HEAD_DIM:
+        q, k, v = _tma_operand(q), _tma_operand(k), _tma_operand(v)
+        checks = torch.empty(n, sq, FWD_CHECKS, dtype=torch.float32, device=q.device) if check else checks
+        with descriptor_scratch():
+            attention_fwd_ws_kernel[(q_blocks, n)](
+                q, k, v, wv, out, lse, checks, *_strides(q, heads), *_strides(k, heads // group),
+                *_strides(v, heads // group), *_strides(out, heads), sq, sk, float(scale), 1.0 / _sq_scale(q.dtype),
+                heads, group, *fargs, CAUSAL=causal, CHECK=check, MODEL=model, STAGE=stage, EVEN=_even(sq, sk, cfg),
+                DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d, STAGES=cfg.num_stages, **_launch_args(cfg),
+            )  # fmt: skip
+        return _fwd_values(out, lse, checks, check)
     attention_fwd_kernel[(q_blocks, n)](
         q, k, v, wv, out, lse, checks, *_mask_args(mask, q, heads), *_strides(q, heads),
         *_strides(k, heads // group), *_strides(v, heads // group), *_strides(out, heads),
@@ -946,9 +1069,15 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
         CAUSAL=causal, HAS_MASK=mask is not None, CHECK=check, MODEL=model, STAGE=stage, DROPOUT=has_dropout,
         EVEN=_even(sq, sk, cfg), DT=_TL_DTYPES[q.dtype], UPCAST=INTERPRET, D=d, **_launch_args(cfg),
     )  # fmt: skip
+    return _fwd_values(out, lse, checks, check)
+
+
+def _fwd_values(out: torch.Tensor, lse: torch.Tensor, checks: torch.Tensor, check: bool) -> Forward:
+    """The forward's result, its blocks' check values [N, q_blocks, 2] reduced to one per head."""
     if not check:
         return Forward(out, lse, torch.empty(0), torch.empty(0))
-    values, raw_l2 = torch.empty(2, n, dtype=torch.float64, device=q.device)
+    n, q_blocks = checks.shape[:2]
+    values, raw_l2 = torch.empty(2, n, dtype=torch.float64, device=out.device)
     attention_fwd_finish_kernel[(n,)](checks, values, raw_l2, q_blocks, BLOCK=FINISH_BLOCK)
     return Forward(out, lse, values, raw_l2)
 

@@ -733,6 +733,30 @@ _SCRATCH = _DescriptorScratch()
 # The allocator Triton calls is a context variable (autograd runs backward in threads of its own):
 # set around each launch and restored, so a user's own allocator keeps serving the user's kernels.
 _ALLOCATOR_VAR = getattr(getattr(triton.runtime, "_allocation", None), "_allocator", None)
+
+
+class descriptor_scratch:  # a context manager, named like one
+    """`with descriptor_scratch():` around a launch of a kernel that builds TMA descriptors on the
+    device: Triton's allocator set to the scratch above for the launch, and the one it replaced
+    restored after (Triton ≥ 3.5 keeps it in a context variable, per thread: autograd runs backward
+    in threads of its own; earlier versions have one global allocator, set and left). A plain class,
+    not a generator: it wraps every checked GEMM launch."""
+
+    __slots__ = ("token",)
+
+    def __enter__(self) -> None:
+        self.token = None
+        if _ALLOCATOR_VAR is not None:
+            if _ALLOCATOR_VAR.get() is not _SCRATCH:
+                self.token = _ALLOCATOR_VAR.set(_SCRATCH)
+        elif not INTERPRET:
+            triton.set_allocator(_SCRATCH)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.token is not None:
+            _ALLOCATOR_VAR.reset(self.token)
+
+
 _COMPILED: dict[tuple, _Handle] = {}
 _direct_launch = not INTERPRET
 _KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -787,13 +811,7 @@ class _Launcher:
 
     def __call__(self, grid: tuple[int, ...], args: tuple) -> None:
         global _direct_launch
-        token = None
-        if _ALLOCATOR_VAR is not None:
-            if _ALLOCATOR_VAR.get() is not _SCRATCH:
-                token = _ALLOCATOR_VAR.set(_SCRATCH)
-        elif not INTERPRET:
-            triton.set_allocator(_SCRATCH)
-        try:
+        with descriptor_scratch():
             if not _direct_launch:
                 self.kernel[grid](*args, **self.constexprs, **self.options)
                 return
@@ -818,9 +836,6 @@ class _Launcher:
                 warnings.warn(f"aegis-sdc: direct kernel launch failed ({error!r}); using Triton's launch path",
                               stacklevel=2)  # fmt: skip
                 self.kernel[grid](*args, **self.constexprs, **self.options)
-        finally:
-            if token is not None:
-                _ALLOCATOR_VAR.reset(token)
 
 
 def _launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict, variant: tuple) -> None:
