@@ -12,6 +12,7 @@ from tests.helpers import MEDIUM, guard_config, small_workload, train
 
 import aegis_sdc as aegis
 from aegis_sdc.events import VerdictKind, WrongExecution
+from aegis_sdc.workloads.llama import lm_loss
 
 TOKENS = 8 * 128  # batch × sequence of the medium workload
 GEMM_SHAPE = {  # (M, N) of C = A·B for layers.0.mlp.up_proj (in 256, out 512)
@@ -57,6 +58,30 @@ def test_a_high_bit_flip_in_wgrad_is_confirmed(tmp_path):
     spec = aegis.FaultSpec(site="layers.0.attn.wo:wgrad", model="bitflip", bit=29, steps=(20,), seed=2)
     guard = run_with_fault(tmp_path, spec, steps=22)
     assert [(i.site.name, i.step) for i in guard.incidents] == [("layers.0.attn.wo:wgrad", 20)]
+
+
+@pytest.mark.parametrize("kind", ["dgrad", "wgrad"])
+def test_a_backward_fault_fires_when_a_forward_without_gradients_comes_first_in_the_step(kind, tmp_path):
+    # An evaluation forward under no_grad before the training forward (a metric, a validation pass,
+    # a reentrant checkpoint's first run) is its Linear's call 0 but has no backward: the fault's
+    # `steps` strike the first backward that runs, at its step, and it is confirmed there.
+    site, steps = f"layers.0.mlp.up_proj:{kind}", (12, 15)
+    model, data, optimizer = small_workload()
+    config = guard_config(tmp_path, faults=(aegis.FaultSpec(site=site, model="bitflip", bit=29, steps=steps),))
+    guard = aegis.protect(model, optimizer=optimizer, config=config)
+    try:
+        for _ in range(17):
+            tokens, targets = data.batch()
+            with torch.no_grad():
+                model(tokens)
+            lm_loss(model(tokens), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        guard.close()
+    assert sorted((j.site, j.step) for j in guard.injector.log) == [(site, s) for s in steps]
+    assert sorted((i.site.name, i.step) for i in guard.incidents) == [(site, s) for s in steps]
+    assert guard.summary().false_alarms == 0
 
 
 def test_a_persistent_fault_is_confirmed_as_reproducible(tmp_path):
@@ -256,3 +281,18 @@ def test_without_the_boundary_in_the_closure_the_warning_says_where_to_put_it(tm
     with pytest.warns(UserWarning, match=r"optimizer.step\(closure\).*guard.step\(\) at the closure's end"):
         _lbfgs_steps(model, data, optimizer, guard, 6, boundary_in_closure=False)
     assert guard.close().not_verifiable > 0
+
+
+def test_protect_names_a_wrong_start_step_and_an_optimizer_of_another_model(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    for bad in (-5, 2.0, True):
+        with pytest.raises(ValueError, match="start_step must be an int"):
+            aegis.protect(model, config=guard_config(tmp_path), start_step=bad)
+    assert type(model[0]) is torch.nn.Linear
+    other = torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="updates none of the model's parameters"):
+        aegis.protect(model, optimizer=other, config=guard_config(tmp_path)).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the model's own optimizer: no warning
+        aegis.protect(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=guard_config(tmp_path),
+                      start_step=7).close()  # fmt: skip

@@ -435,13 +435,19 @@ def test_a_with_block_under_the_raise_policy_keeps_the_users_exception(tmp_path)
     json.dumps(raised.value.__notes__)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "pages_zeroed"])
 def test_protect_on_a_damaged_store_names_the_file(tmp_path, damage):
     run = tmp_path / "run"
     store = Store(rank_db_path(run, 0), lock=True)
     store.close()
     path = rank_db_path(run, 0)
-    path.write_bytes(b"not a database at all" * 100 if damage == "garbage" else path.read_bytes()[:200])
+    data = path.read_bytes()
+    if damage == "pages_zeroed":  # the header and schema page intact, the tables' pages zeroed: found
+        page = int.from_bytes(data[16:18], "big")  # by the first reads past the opening, not by it
+        damaged = data[:page] + bytes(len(data) - page)
+    else:
+        damaged = b"not a database at all" * 100 if damage == "garbage" else data[:200]
+    path.write_bytes(damaged)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     with pytest.raises(StoreError, match=f"{path.name} is not a readable aegis store"):
         aegis.protect(model, config=aegis.GuardConfig(run_dir=str(run)))

@@ -29,8 +29,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import numbers
 import os
 import platform
+import sqlite3
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -123,6 +125,16 @@ def _has_step_hooks(optimizer: Any) -> bool:
     return isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks")
 
 
+def _updates_any(optimizer: Any, model: nn.Module) -> bool:
+    """Whether the optimizer holds any parameter of the model (an optimizer without param_groups —
+    a wrapper of another kind — is given the benefit of the doubt)."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return True
+    held = {id(p) for group in groups for p in group.get("params", ())}
+    return any(id(p) in held for p in model.parameters()) or not any(True for _ in model.parameters())
+
+
 class Guard:
     """Protection of one model; use `aegis_sdc.protect()` to build one. A context manager."""
 
@@ -147,6 +159,13 @@ class Guard:
         config = config or GuardConfig()
         if not isinstance(config, GuardConfig):
             raise TypeError(f"config must be a GuardConfig, got {type(config).__name__}")
+        if isinstance(start_step, bool) or not isinstance(start_step, numbers.Integral) or start_step < 0:
+            raise ValueError(f"start_step must be an int ≥ 0 (the first step's number), got {start_step!r}")
+        start_step = int(start_step)
+        if optimizer is not None and not _updates_any(optimizer, model):
+            warnings.warn("aegis-sdc: the optimizer passed to protect() updates none of the model's parameters: "
+                          "its step() still marks the step boundaries, but pass the model's own optimizer",
+                          stacklevel=3)  # fmt: skip
         self.config = config
         self.model = model
         self.module_names = {name or "<root>" for name, _ in module_names(model)}  # as sites name modules
@@ -207,8 +226,10 @@ class Guard:
         self.run_dir, self.store = open_run_store(config.run_dir, self.identity.rank)
         try:
             self._open(model, optimizer, config, chosen, process_group)
-        except BaseException:
+        except BaseException as error:
             self._abandon()  # a failed protect() leaves the model as it was and the directory usable
+            if isinstance(error, sqlite3.DatabaseError):  # damage past the pages the opening read
+                raise self.store.unreadable(error) from error
             raise
 
     def _open(self, model: nn.Module, optimizer: Any, config: GuardConfig, chosen: Any, process_group: Any) -> None:

@@ -5,6 +5,7 @@ The log of fired faults is what campaigns and tests compare detections against.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,11 @@ class FaultInjector:
         # struck the step's first call and does not strike the recomputation; a persistent one does.
         self.replaying = False
         self._matches: dict[str, tuple[FaultSpec, ...]] = {}
+        # GEMM sites' own calls in the step (`fire`): a FaultSpec's `steps` strike a site's first
+        # call that runs, which for a backward site is not its Linear's first call when a forward
+        # without gradients (an eval pass, a reentrant checkpoint's first run) came before it
+        self._counted_step: int | None = None
+        self._site_calls: dict[int, int] = {}
 
     def __bool__(self) -> bool:
         return bool(self.specs)
@@ -80,20 +86,48 @@ class FaultInjector:
         return any(spec.may_fire(step) for spec in self.specs_for(site.name))
 
     def fire(self, site, step: int, call: int, median_l2: float | None) -> Injection | None:
-        """The fault planned for this call, or None. `site` is an events.Site.
+        """The fault planned for call `call` of the site's Linear, or None. `site` is an events.Site;
+        this is asked once for each call of the site that runs (a backward site: each forward that
+        will have a backward), and a spec counts those calls — `steps` strike the first of them.
 
         The op records it with `applied()` once the corrupted GEMM has run: a planned backward that
         never runs (no backward pass) leaves no ground truth behind.
         """
         if not self.specs:
             return None
-        for spec in self.specs_for(site.name):
-            if spec.fires(site.id, step, call) and self._strikes(spec, step):
+        specs = self.specs_for(site.name)
+        if not specs:
+            return None
+        nth = self._site_call(site.id, step)
+        for spec in specs:
+            if spec.fires(site.id, step, nth) and self._strikes(spec, step):
                 # Before the site knows its median clean difference, delta is provisional (1.0 per
                 # unit of scale); the op rescales it by the call's own clean difference.
-                fault = resolve(spec, site.id, step, call, median_l2 if median_l2 is not None else 1.0)
+                fault = resolve(spec, site.id, step, nth, median_l2 if median_l2 is not None else 1.0)
                 return Injection(site.name, step, call, fault)
         return None
+
+    def _site_call(self, site_id: int, step: int) -> int:
+        """This call's index among the site's calls asked about in `step`."""
+        if step != self._counted_step:
+            self._counted_step, self._site_calls = step, {}
+        nth = self._site_calls.get(site_id, 0)
+        self._site_calls[site_id] = nth + 1
+        return nth
+
+    @contextlib.contextmanager
+    def recomputing(self):
+        """The step's calls run again within the step (a peer replay): a transient fault struck the
+        step's own calls and does not strike these; a persistent one does, counting the sites'
+        calls from the first again. Counts and state are restored after."""
+        counted = self._counted_step, self._site_calls
+        self._site_calls = {}
+        self.replaying = True
+        try:
+            yield
+        finally:
+            self.replaying = False
+            self._counted_step, self._site_calls = counted
 
     def applied(self, injection: Injection) -> None:
         self.log.append(injection)

@@ -149,8 +149,9 @@ class FaultSpec:
     model: str = "perturb"
     scale: float = 4.0  # perturb: |δ| = scale × the site's median clean checksum difference
     bit: int = 30  # bitflip: fp32 bit index; 30 is the exponent's top bit (a ×2¹²⁸-scale error)
-    # fire on the first call of the site at each of these steps (ints, a range or an IntRanges;
-    # stored as IntRanges: a range of a billion steps is two ints) ...
+    # fire on the first call of the site at each of these steps — of a backward site, the first that
+    # runs (FaultInjector.fire) — (ints, a range or an IntRanges; stored as IntRanges: a range of a
+    # billion steps is two ints) ...
     steps: IntRanges | Iterable[int] = ()
     probability: float = 0.0  # ... or on each call with this probability
     start_step: int = 0  # probability mode: first step at which the fault may fire

@@ -344,35 +344,43 @@ def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, l
 
 
 @triton.jit
-def _fwd_finish(acc, ref, m_i, l_i, offs_m, head, heads, check_ptr, o_ptr, lse_ptr, so_b, so_h, so_s, Sq,
+def _fwd_finish(acc, ref, m_i, l_i, head, heads, check_ptr, o_ptr, lse_ptr, so_b, so_h, so_s, Sq,
                 sq_unscale, fault_head, fault_row, fault_col, fault_delta, fault_mask, CHECK: tl.constexpr,
-                MODEL: tl.constexpr, STAGE: tl.constexpr, D: tl.constexpr, PER_ROW: tl.constexpr):  # fmt: skip
+                MODEL: tl.constexpr, STAGE: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                PER_ROW: tl.constexpr):  # fmt: skip
     """A query block's end: its check (the block's largest normalized difference and Σ raw² into
     check_ptr [N, q_blocks, 2]; PER_ROW: each row's into [N, Sq, 2]), the normalized output and the
-    log-sum-exp (natural log)."""
+    log-sum-exp (natural log). PER_ROW (the warp-specialized kernel) stores the output by TMA and
+    takes the block's rows afresh here: on the H100 its pointer store of a [BM, D] tile, indexed by
+    rows taken before the loop, wrote the second consumer's half of the rows wrong."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if STAGE == 2:  # an error of `delta` in the normalized output is delta·ℓ in the accumulator
-        acc = _fault(acc, offs_m, tl.arange(0, D), head, fault_head, fault_row, fault_col,
+        acc = _fault(acc, rows, tl.arange(0, D), head, fault_head, fault_row, fault_col,
                      fault_delta * l_safe[:, None], fault_mask, MODEL)  # fmt: skip
-    valid = offs_m < Sq
+    valid = rows < Sq
     if CHECK:
         side, ssq = _side_sums(ref)
         raw = tl.sum(acc, axis=1) - side
         diff = _normalized(raw, tl.maximum(tl.sqrt(ssq * sq_unscale), tl.sum(tl.abs(acc), axis=1)))
         raw = raw / l_safe  # in units of the normalized output, as the reference path reports it
         if PER_ROW:  # the warp-specialized kernel's consumers each own half of the rows: no sum across them
-            slot = check_ptr + (head * Sq + offs_m) * 2
+            slot = check_ptr + (head * Sq + rows) * 2
             tl.store(slot, tl.where(diff != diff, float("inf"), diff), mask=valid)
             tl.store(slot + 1, raw * raw, mask=valid)
         else:
             slot = check_ptr + (head * tl.num_programs(0) + tl.program_id(0)) * 2
             tl.store(slot, _block_max(diff, valid))
             tl.store(slot + 1, tl.sum(tl.where(valid, raw * raw, 0.0), axis=0))
-    out = acc / l_safe[:, None]
-    cols = tl.arange(0, D)
+    out = (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty)
     o_ptr += _at(head, heads, so_b, so_h)
-    tl.store(o_ptr + offs_m[:, None] * so_s + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
-    tl.store(lse_ptr + head * Sq + offs_m, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, mask=valid)
+    if PER_ROW:
+        o_desc = tl.make_tensor_descriptor(o_ptr, shape=[Sq, D], strides=[so_s, 1], block_shape=[BM, D])
+        o_desc.store([tl.program_id(0) * BM, 0], out)  # rows past Sq are not written
+    else:
+        cols = tl.arange(0, D)
+        tl.store(o_ptr + rows[:, None] * so_s + cols[None, :], out, mask=valid[:, None])
+    tl.store(lse_ptr + head * Sq + rows, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, mask=valid)
 
 
 # A fault's element and bit are runtime values, not specializations: an injection at a new element
@@ -422,8 +430,9 @@ def attention_fwd_kernel(
                                         head, mask_ptr, sm_q, Sq, Sk, scale2, fault_head, fault_row, fault_col,
                                         fault_delta, fault_mask, seed, p_drop, keep_scale, DROPOUT, False, CAUSAL,
                                         HAS_MASK, CHECK, MODEL, STAGE, EVEN, DT, UPCAST, D, BN)  # fmt: skip
-    _fwd_finish(acc, ref, m_i, l_i, offs_m, head, heads, check_ptr, o_ptr, lse_ptr, so_b, so_h, so_s, Sq, sq_unscale,
-                fault_head, fault_row, fault_col, fault_delta, fault_mask, CHECK, MODEL, STAGE, D, False)  # fmt: skip
+    _fwd_finish(acc, ref, m_i, l_i, head, heads, check_ptr, o_ptr, lse_ptr, so_b, so_h, so_s, Sq, sq_unscale,
+                fault_head, fault_row, fault_col, fault_delta, fault_mask, CHECK, MODEL, STAGE, D, BM,
+                False)  # fmt: skip
 
 
 @triton.jit
@@ -479,8 +488,9 @@ def attention_fwd_ws_kernel(
                                                UPCAST)  # fmt: skip
         if CHECK:
             ref = tl.dot(p_op, _up(w_desc.load([start_n, 0]), UPCAST), ref * alpha[:, None])
-    _fwd_finish(acc, ref, m_i, l_i, offs_m, head, heads, check_ptr, o_ptr, lse_ptr, so_b, so_h, so_s, Sq, sq_unscale,
-                fault_head, fault_row, fault_col, fault_delta, fault_mask, CHECK, MODEL, STAGE, D, True)  # fmt: skip
+    _fwd_finish(acc, ref, m_i, l_i, head, heads, check_ptr, o_ptr, lse_ptr, so_b, so_h, so_s, Sq, sq_unscale,
+                fault_head, fault_row, fault_col, fault_delta, fault_mask, CHECK, MODEL, STAGE, D, BM,
+                True)  # fmt: skip
 
 
 @triton.jit

@@ -236,12 +236,11 @@ class StepRuntime:
         plan, injector = self.guard.plan, self.guard.injector
         calls = list(plan.calls)
         plan.calls = [0] * len(calls)
-        injector.replaying = True  # a transient fault struck the step's own calls, not these
         try:
-            yield
+            with injector.recomputing():  # a transient fault struck the step's own calls, not these
+                yield
         finally:
             plan.calls = calls
-            injector.replaying = False
 
     def _raise_peer_findings(self, alarm: Alarm) -> None:
         """A peer-replay finding is raised once: by the rank it names, or (a pair, an unstable step)

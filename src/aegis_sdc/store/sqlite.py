@@ -208,9 +208,7 @@ class Store:
             _migrate(self.conn, self.path)
         except sqlite3.DatabaseError as error:  # a damaged or foreign file: named, never overwritten
             self._release_lock()
-            why = f"{self.path} is not a readable aegis store ({error})"
-            raise StoreError(f"{why}; move it away or choose another GuardConfig.run_dir (`aegis incidents` "
-                             "shows what can still be read)") from error  # fmt: skip
+            raise self.unreadable(error) from error
         except BaseException:
             self._release_lock()
             raise
@@ -220,6 +218,13 @@ class Store:
         # the same run directory) may meet other sites, or the same in another order. Its ids map
         # to the rows' here; a fresh store's rows take the guard's own ids.
         self._site_ids: dict[int, int] = {}
+
+    def unreadable(self, error: sqlite3.DatabaseError) -> StoreError:
+        """The error for a store SQLite cannot read (a damaged or foreign file), naming it; also for
+        damage found past the opening (pages the first reads reach)."""
+        why = f"{self.path} is not a readable aegis store ({error})"
+        return StoreError(f"{why}; move it away or choose another GuardConfig.run_dir (`aegis incidents` "
+                          "shows what can still be read)")  # fmt: skip
 
     # -- transactions ----------------------------------------------------------------------------
     @contextmanager
