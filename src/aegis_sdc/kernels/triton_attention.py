@@ -858,9 +858,11 @@ class AttentionConfig:
 # the sum of four cases 4 × 2048 and 1 × 8192, causal and full: results in the tune record).
 GPU_CONFIG = AttentionConfig(fwd=Blocks(128, 64, 8, 3), kv=Blocks(32, 64, 4, 3), q=Blocks(128, 128, 8, 2))
 # The warp-specialized forward (`attention_fwd_ws_kernel`): 128 query rows, 64 per consumer warp group,
-# 128 keys per block in two stages (189 KB of shared memory checked, 0 spills, sm_90a under Triton 3.6:
-# benchmarks/attention_registers.py). benchmarks/attention.py times it beside GPU_CONFIG's forward;
-# it becomes GPU_CONFIG.fwd where it is the faster.
+# 128 keys per block in two stages (205 KB of shared memory checked, 0 spills, sm_90a under Triton 3.6:
+# benchmarks/attention_registers.py). Not used: on the H100 its second consumer's row indices are off
+# by 64 rows (its lse and check values land in the wrong rows, its causal mask is wrong;
+# docs/attention.md). benchmarks/attention.py times it beside GPU_CONFIG's forward; it becomes
+# GPU_CONFIG.fwd only once its GPU tests pass and it is the faster.
 GPU_FWD_WARP_SPECIALIZED = Blocks(128, 128, 4, 2, warp_specialize=True)
 # past this head dimension its two stages of K and V need more shared memory than Hopper has (353 KB at 256)
 WS_MAX_HEAD_DIM = 128
