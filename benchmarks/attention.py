@@ -95,12 +95,11 @@ def flops(b: int, s: int, causal: bool) -> tuple[float, float]:
     return 2 * per_gemm, 5 * per_gemm
 
 
-# (block_m, block_n, num_warps, num_stages) tried per kernel by --tune
+# (block_m, block_n, num_warps, num_stages) tried per kernel by --tune (not the warp-specialized
+# forward while its GPU tests fail: docs/attention.md)
 FWD_CANDIDATES = [ta.Blocks(*b) for b in (
     (64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3),
-    (128, 64, 8, 2), (64, 64, 4, 3),
-    # warp-specialized (4 warps per consumer group; 128 × 128 at 3 stages is past 227 KB of shared memory)
-    (128, 128, 4, 2, True), (128, 64, 4, 3, True), (128, 64, 4, 2, True))]  # fmt: skip
+    (128, 64, 8, 2), (64, 64, 4, 3))]  # fmt: skip
 KV_CANDIDATES = [ta.Blocks(*b) for b in (
     (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 2), (32, 128, 8, 2),
     (16, 64, 4, 3), (64, 64, 8, 3))]  # fmt: skip
