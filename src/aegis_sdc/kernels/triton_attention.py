@@ -350,9 +350,9 @@ def _fwd_finish(acc, ref, m_i, l_i, head, heads, check_ptr, o_ptr, lse_ptr, so_b
                 PER_ROW: tl.constexpr):  # fmt: skip
     """A query block's end: its check (the block's largest normalized difference and Σ raw² into
     check_ptr [N, q_blocks, 2]; PER_ROW: each row's into [N, Sq, 2]), the normalized output and the
-    log-sum-exp (natural log). PER_ROW (the warp-specialized kernel) stores the output by TMA and
-    takes the block's rows afresh here: on the H100 its pointer store of a [BM, D] tile, indexed by
-    rows taken before the loop, wrote the second consumer's half of the rows wrong."""
+    log-sum-exp (natural log). PER_ROW (the warp-specialized kernel) stores the output by TMA — by
+    row index, its second consumer wrote the wrong rows on the H100; its per-row values (lse, check)
+    still go by row index and still land 64 rows off there (GPU_FWD_WARP_SPECIALIZED: not used)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if STAGE == 2:  # an error of `delta` in the normalized output is delta·ℓ in the accumulator
@@ -458,7 +458,8 @@ def attention_fwd_ws_kernel(
     masks every block (the split into unmasked blocks and the diagonal band needs two), and its check
     values are stored per row (a reduction over the rows would cross the consumers), reduced by the
     finish kernel as the other kernel's per block. Q, too, comes by TMA. Elsewhere (the interpreter,
-    other GPUs) the same code runs unspecialized."""
+    other GPUs) the same code runs unspecialized. Not used: wrong rows on the H100 under Triton 3.6
+    (GPU_FWD_WARP_SPECIALIZED, docs/attention.md)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = _kv_head(head, heads, group)
