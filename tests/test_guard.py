@@ -296,3 +296,22 @@ def test_protect_names_a_wrong_start_step_and_an_optimizer_of_another_model(tmp_
         warnings.simplefilter("error")  # the model's own optimizer: no warning
         aegis.protect(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=guard_config(tmp_path),
                       start_step=7).close()  # fmt: skip
+
+
+def test_a_fault_whose_gemm_never_runs_is_named_at_close(tmp_path):
+    # The first Linear's dgrad never runs (its input needs no gradient): a fault planned there cannot
+    # strike, and a test or campaign counting on it is told so; one that struck is not named.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    faults = (aegis.FaultSpec(site="0:dgrad", steps=(2,)), aegis.FaultSpec(site="2:fwd", steps=(3,)))
+    guard = aegis.protect(model, optimizer=optimizer, config=guard_config(tmp_path, faults=faults))
+    for _ in range(5):
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guard.close()
+    named = [str(w.message) for w in caught if "never fired" in str(w.message)]
+    assert len(named) == 1 and "'0:dgrad'" in named[0]
+    assert [(j.site, j.step) for j in guard.injector.log] == [("2:fwd", 3)]

@@ -63,6 +63,7 @@ class FaultInjector:
         # without gradients (an eval pass, a reentrant checkpoint's first run) came before it
         self._counted_step: int | None = None
         self._site_calls: dict[int, int] = {}
+        self._fired_sites: set[str] = set()  # every site a fault was applied to (the log keeps the latest)
 
     def __bool__(self) -> bool:
         return bool(self.specs)
@@ -131,6 +132,23 @@ class FaultInjector:
 
     def applied(self, injection: Injection) -> None:
         self.log.append(injection)
+        self._fired_sites.add(injection.site)
+
+    def unfired(self, step: int, site_names: list[str]) -> list[FaultSpec]:
+        """This rank's specs with `steps` that match one of `site_names`, whose first step is before
+        `step`, and that were never applied: the GEMM they name did not run at their steps (the
+        dgrad of a first layer whose input needs no gradient, a frozen layer's wgrad, a Linear the
+        forward skipped). Specs that match no site are named after the first step instead."""
+        found = []
+        for spec in self.specs:
+            if not spec.steps or spec.steps.ranges[0][0] >= step:
+                continue
+            if spec.ranks and self.rank not in spec.ranks:
+                continue
+            matched = [name for name in site_names if spec.matches(name, self.rank)]
+            if matched and not any(spec.matches(name, self.rank) for name in self._fired_sites):
+                found.append(spec)
+        return found
 
     def flip_tensor_bit(self, site, step: int, call: int, tensor: torch.Tensor, salt: int) -> Injection | None:
         """Flip one bit of one element of `tensor` in place if a fault of `site` fires at this call:
