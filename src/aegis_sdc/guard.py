@@ -671,7 +671,8 @@ class Guard:
         if not self.injector:
             return
         names = [sensor.site.name for sensor in self.registry.gemm] + [site.name for site in self.registry.extra]
-        for spec in self.injector.unfired(self.clock.step, names):
+        not_covered = self.coverage_report().not_covered  # specs aimed only there were named at the first step
+        for spec in self.injector.unfired(self.clock.step, [name for name in names if name not in not_covered]):
             warnings.warn(f"aegis-sdc: fault spec site {spec.site!r} (steps {spec.steps}) never fired: the GEMM it "
                           "names did not run at those steps (a dgrad whose input needs no gradient, a frozen "
                           "weight's wgrad, a module the forward skipped)", stacklevel=3)  # fmt: skip
