@@ -132,7 +132,8 @@ def _updates_any(optimizer: Any, model: nn.Module) -> bool:
     if not groups:
         return True
     held = {id(p) for group in groups for p in group.get("params", ())}
-    return any(id(p) in held for p in model.parameters()) or not any(True for _ in model.parameters())
+    params = list(model.parameters())
+    return not params or any(id(p) in held for p in params)
 
 
 class Guard:
@@ -645,7 +646,7 @@ class Guard:
             return self.summary()
         try:
             self.runtime.process(drain=True)
-            self._name_unfired_faults()
+            self.runtime.name_unfired_faults()
         finally:
             for handle in self._handles:
                 handle.remove()
@@ -664,18 +665,6 @@ class Guard:
             self.store.close()
             self.closed = True
         return summary
-
-    def _name_unfired_faults(self) -> None:
-        """A fault spec whose steps passed without it ever striking (its site's GEMM never ran then):
-        named once at close, so that a test or campaign counting on it is not misled in silence."""
-        if not self.injector:
-            return
-        names = [sensor.site.name for sensor in self.registry.gemm] + [site.name for site in self.registry.extra]
-        not_covered = self.coverage_report().not_covered  # specs aimed only there were named at the first step
-        for spec in self.injector.unfired(self.clock.step, [name for name in names if name not in not_covered]):
-            warnings.warn(f"aegis-sdc: fault spec site {spec.site!r} (steps {spec.steps}) never fired: the GEMM it "
-                          "names did not run at those steps (a dgrad whose input needs no gradient, a frozen "
-                          "weight's wgrad, a module the forward skipped)", stacklevel=3)  # fmt: skip
 
     def _abandon(self) -> None:
         """Undo a construction that failed part way: hooks off, modules restored, store unlocked."""

@@ -145,8 +145,8 @@ class FaultInjector:
                 continue
             if spec.ranks and self.rank not in spec.ranks:
                 continue
-            matched = [name for name in site_names if spec.matches(name, self.rank)]
-            if matched and not any(spec.matches(name, self.rank) for name in self._fired_sites):
+            aimed = any(spec.matches(name, self.rank) for name in site_names)
+            if aimed and not any(spec.matches(name, self.rank) for name in self._fired_sites):
                 found.append(spec)
         return found
 

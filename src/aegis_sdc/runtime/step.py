@@ -496,8 +496,7 @@ class StepRuntime:
         would never fire — named in a warning and the store, with what site names look like."""
         g = self.guard
         self.fault_sites_named = True
-        names = [sensor.site.name for sensor in g.registry.gemm] + [site.name for site in g.registry.extra]
-        not_covered = g.coverage_report().not_covered  # sites that exist but run unchecked
+        names, not_covered = self._fault_sites()
         rank = g.identity.rank
         for spec in g.injector.specs:
             if spec.ranks and rank not in spec.ranks:
@@ -514,6 +513,25 @@ class StepRuntime:
                 continue
             warnings.warn(f"aegis-sdc: {message}", stacklevel=2)
             report.events.append(("fault_unmatched", message, None))
+
+    def name_unfired_faults(self) -> None:
+        """At close: a fault spec whose steps passed without it ever striking a site it matches (its
+        GEMM never ran then) is named in a warning, so that a test or campaign counting on it is not
+        misled in silence. Specs aimed only at unchecked sites were named after the first step."""
+        g = self.guard
+        if not g.injector:
+            return
+        names, not_covered = self._fault_sites()
+        for spec in g.injector.unfired(g.clock.step, [name for name in names if name not in not_covered]):
+            warnings.warn(f"aegis-sdc: fault spec site {spec.site!r} (steps {spec.steps}) never fired: the GEMM it "
+                          "names did not run at those steps (a dgrad whose input needs no gradient, a frozen "
+                          "weight's wgrad, a module the forward skipped)", stacklevel=3)  # fmt: skip
+
+    def _fault_sites(self) -> tuple[list[str], dict[str, str]]:
+        """(every site's name a fault spec may aim at, the sites that exist but run unchecked: why)."""
+        g = self.guard
+        names = [sensor.site.name for sensor in g.registry.gemm] + [site.name for site in g.registry.extra]
+        return names, g.coverage_report().not_covered
 
 
 def _log_nonfinite_inputs(console: StepConsole, verdicts: list[Verdict], first_incident_step: int | None) -> None:
