@@ -128,6 +128,11 @@ _EVIDENCE_CHANGES = {
             1,
         )
     ],
+    # the rounded output's row sums on the CUDA cores (unpacked, converted back to fp32 and added), as
+    # before they went to the tensor cores (triton_gemm._output_row_sums)
+    "out_sums_cuda_cores": [
+        ("_output_row_sums(out, UPCAST, BN), mask=mask_m)", "tl.sum(out.to(tl.float32), axis=1), mask=mask_m)", 1)
+    ],
     # no launch verdict at all
     "no_verdict": [
         ("        if ROW_CHECK or COL_CHECK:\n            fence", "        if False:\n            fence", 1)

@@ -16,7 +16,8 @@ replays bit for bit). What the checks add rides on work the kernel already does:
   slices are summed in fp64 in a fixed order by the evidence. A column check does the same with
   Bᵀ·S(u1), u1 = 1ᵀA, slice i in the tiles of row block i. No second pass over an activation.
 - epilogue: per tile, the row sums and row sums of squares of the fp32 accumulator before rounding
-  and the row sums of the rounded output — `row_part`, `rsq_part`, `out_part` [tiles_n, M] — and for a
+  and the row sums of the rounded output (a narrow MMA of the output against a ones column:
+  `_output_row_sums`) — `row_part`, `rsq_part`, `out_part` [tiles_n, M] — and for a
   column check the column sums and sums of squares, `col_part`, `csq_part` [tiles_m, N]. A row's
   difference is scaled by the accumulator row's own norm ‖C_i‖: for products of independent signs
   E‖C_i‖² = Σ_k A_ik²‖B_k,:‖², the reference path's scale (kernels/reference.py), here free in the
@@ -177,6 +178,23 @@ def _slices_of(block, tiles, parts, replay):
     index = block // group
     owner = (block % group) == 0
     return tl.where(replay, 0, index), tl.where(replay, parts, tl.where(owner, index + 1, index))
+
+
+@triton.jit
+def _output_row_sums(out, UPCAST: tl.constexpr, BN: tl.constexpr):
+    """Σ_j of the rounded output [BM, BN] per row, on the tensor cores: out · E, E [BN, 16] a ones
+    column beside zeros, an fp32 accumulation in the MMA's fixed order. On Hopper the MMA takes `out`
+    from the registers the accumulator's rounding left it in (the accumulator's layout is the A
+    operand's, as FlashAttention-3 feeds P to P·V), so no row of it is unpacked, converted back to
+    fp32 and added on the CUDA cores — which, with the tile's other sums, made the epilogue ~45%
+    longer in the forward (sm_90a, Triton 3.6). Replays compare these sums bit for bit, so only their
+    determinism matters, not their order."""
+    if out.dtype == tl.float32:  # (fp32 outputs: an MMA would take them as tf32)
+        return tl.sum(out, axis=1)
+    ones = ((tl.arange(0, BN)[:, None] >= 0) & (tl.arange(0, SIDE_N)[None, :] == 0)).to(out.dtype)
+    # (the interpreter multiplies bf16 bit patterns: it takes the values in fp32)
+    sums = tl.dot(out.to(tl.float32), ones.to(tl.float32)) if UPCAST else tl.dot(out, ones)
+    return tl.sum(tl.where(tl.arange(0, SIDE_N)[None, :] == 0, sums, 0.0), axis=1)
 
 
 @triton.jit
@@ -409,7 +427,7 @@ def checked_gemm_kernel(
             _store_partials(acc, 1, row_part_ptr + pid_n * M, rsq_part_ptr + pid_n * M, offs_m, mask_m, row_diff,
                             row_sq_total, TOTALS)  # fmt: skip
         if ROW_CHECK:
-            tl.store(out_part_ptr + pid_n * M + offs_m, tl.sum(out.to(tl.float32), axis=1), mask=mask_m)
+            tl.store(out_part_ptr + pid_n * M + offs_m, _output_row_sums(out, UPCAST, BN), mask=mask_m)
         c_desc.store([off_m, off_n], out)
         if COL_CHECK:
             if ROW_CHECK:
