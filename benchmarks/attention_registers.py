@@ -1,7 +1,8 @@
 """Registers and spills of the attention kernels on Hopper, and where the spills sit — computed on any machine.
 
 Compiles the forward (`GPU_CONFIG`'s and the warp-specialized one), dK/dV and dQ kernels
-(`kernels/triton_attention.py`; bf16, head dimension 128, no mask, no dropout), causal and full,
+(`kernels/triton_attention.py`; bf16, head dimension 128 or `--head-dim`, with the blocks `config_for`
+gives it, no mask, no dropout), causal and full,
 unchecked and checked, for sm_90a with Triton's bundled `ptxas` (no GPU needed), and disassembles
 each with the bundled `nvdisasm` to count the local-memory stores and loads (`STL`, `LDL`: spill traffic) inside each of
 its loops — the K loops run once per key (query) block, so a spill there is paid by every block,
@@ -9,7 +10,10 @@ one outside them once per program. Also counted per loop: `HGMMA` (wgmma instruc
 (reductions across threads); and per kernel the order in which its PTX issues and waits for its
 wgmma groups (`mma_sequence`: whether anything runs while an MMA does).
 
-    python benchmarks/attention_registers.py [--out benchmarks/results/attention_registers.json]
+    python benchmarks/attention_registers.py [--head-dim 256] [--out benchmarks/results/attention_registers.json]
+
+Shared memory per kernel (`shared_bytes`) is reported beside: a kernel asking for more than Hopper's
+227 KB does not launch.
 """
 
 from __future__ import annotations
@@ -29,12 +33,20 @@ from common import bundled_tool, compile_for_sm90a, write_result
 
 from aegis_sdc.kernels import triton_attention as ta
 
-KERNELS = {  # kernel, its blocks
-    "fwd": (ta.attention_fwd_kernel, ta.GPU_CONFIG.fwd),
-    "fwd_ws": (ta.attention_fwd_ws_kernel, ta.GPU_FWD_WARP_SPECIALIZED),
-    "bwd_kv": (ta.attention_bwd_kv_kernel, ta.GPU_CONFIG.kv),
-    "bwd_q": (ta.attention_bwd_q_kernel, ta.GPU_CONFIG.q),
-}
+
+def kernels(head_dim: int) -> dict:
+    """kernel name → (kernel, its blocks) as a call of this head dimension runs them (`config_for`);
+    the warp-specialized forward only up to its largest head dimension."""
+    cfg = ta.config_for(head_dim)
+    chosen = {"fwd": (ta.attention_fwd_kernel, cfg.fwd),
+              "fwd_ws": (ta.attention_fwd_ws_kernel, ta.GPU_FWD_WARP_SPECIALIZED),
+              "bwd_kv": (ta.attention_bwd_kv_kernel, cfg.kv),
+              "bwd_q": (ta.attention_bwd_q_kernel, cfg.q)}  # fmt: skip
+    if head_dim > ta.WS_MAX_HEAD_DIM:
+        del chosen["fwd_ws"]
+    return chosen
+
+
 _F32_ARGS = {"scale", "sq_unscale", "sq_scale", "fault_delta", "p_drop", "keep_scale", "u_out"}
 _F32_PTRS = {"lse_ptr", "check_ptr", "mask_ptr", "delta_ptr", "dmag_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
              "vcols_ptr", "vsq_ptr", "vmax_ptr"}  # fmt: skip
@@ -80,10 +92,10 @@ def _count(lines: list[str], opcode: str) -> int:
     return sum(1 for line in lines if re.search(rf"\b{opcode}\b", line))
 
 
-def measure(kernel: str, causal: bool, check: bool) -> dict:
-    fn, blocks = KERNELS[kernel]
+def measure(kernel: str, causal: bool, check: bool, head_dim: int = 128) -> dict:
+    fn, blocks = kernels(head_dim)[kernel]
     constexprs = dict(CAUSAL=causal, HAS_MASK=False, CHECK=check, MODEL=0, STAGE=ta.NO_STAGE, DROPOUT=False,
-                      EVEN=True, DT=tl.bfloat16, UPCAST=False, D=128, BM=blocks.block_m, BN=blocks.block_n,
+                      EVEN=True, DT=tl.bfloat16, UPCAST=False, D=head_dim, BM=blocks.block_m, BN=blocks.block_n,
                       STAGES=blocks.num_stages)  # fmt: skip
     constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     types = {k: v for k, v in _signature(fn, constexprs).items() if v != "constexpr"}
@@ -94,7 +106,8 @@ def measure(kernel: str, causal: bool, check: bool) -> dict:
         cubin.write_bytes(compiled.asm["cubin"])
         sass = subprocess.run([bundled_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
                               check=True).stdout.splitlines()  # fmt: skip
-    row = {"kernel": kernel, "causal": causal, "check": check, "blocks": dataclasses.asdict(blocks),
+    row = {"kernel": kernel, "causal": causal, "check": check, "head_dim": head_dim,
+           "blocks": dataclasses.asdict(blocks),
            "registers": registers, "spill_store_bytes": stores, "shared_bytes": compiled.metadata.shared,
            "warp_specialized": "setmaxnreg" in compiled.asm["ptx"],
            "spill_load_bytes": loads, "stl": _count(sass, "STL"), "ldl": _count(sass, "LDL"),
@@ -108,13 +121,16 @@ def measure(kernel: str, causal: bool, check: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "attention_registers.json")
+    parser.add_argument("--head-dim", type=int, default=128, help="the head dimension D (its blocks: config_for)")
     args = parser.parse_args()
-    rows = [measure(k, causal, check) for k in KERNELS for causal in (True, False) for check in (False, True)]
+    rows = [measure(k, causal, check, args.head_dim) for k in kernels(args.head_dim) for causal in (True, False)
+            for check in (False, True)]  # fmt: skip
     env = {"triton": triton.__version__, "target": "sm_90a", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": " ".join(["python", *sys.argv])}  # fmt: skip
     summary = {
         f"{r['kernel']}_{'causal' if r['causal'] else 'full'}_{'checked' if r['check'] else 'unchecked'}": {
             "spill_store_bytes": r["spill_store_bytes"],
+            "shared_bytes": r["shared_bytes"],
             "loop_stl_ldl": [(loop["stl"], loop["ldl"]) for loop in r["loops"]],
         }
         for r in rows

@@ -871,8 +871,21 @@ WS_MAX_HEAD_DIM = 128
 INTERPRETER_CONFIG = AttentionConfig(fwd=Blocks(16, 16, 4, 1), kv=Blocks(16, 16, 4, 1), q=Blocks(16, 16, 4, 1))
 
 
+# Head dimension 256 (Gemma's): with GPU_CONFIG the dQ kernel would ask for 256 KB of shared memory
+# (Hopper has 227 KB: its launch fails) and the dK/dV kernel would spill 4.9 KB per thread (its two
+# [64, 256] fp32 accumulators over 4 warps). These blocks fit — 98, 99 and 131 KB, at most 1.5 KB of
+# spills, checked and causal (sm_90a under Triton 3.6: `benchmarks/attention_registers.py --head-dim
+# 256`, results/attention_registers_d256.json) — chosen for fitting, not yet timed.
+GPU_CONFIG_WIDE = AttentionConfig(fwd=Blocks(128, 32, 8, 2), kv=Blocks(32, 64, 8, 3), q=Blocks(64, 64, 8, 2))
+WIDE_HEAD_DIM = 128  # GPU_CONFIG up to this head dimension, GPU_CONFIG_WIDE past it
+
+
 def config_for(head_dim: int) -> AttentionConfig:
-    return INTERPRETER_CONFIG if INTERPRET else GPU_CONFIG
+    """The blocks of a call with this head dimension (a call's bits depend on them: replays take the
+    call's head dimension, so the same blocks)."""
+    if INTERPRET:
+        return INTERPRETER_CONFIG
+    return GPU_CONFIG if head_dim <= WIDE_HEAD_DIM else GPU_CONFIG_WIDE
 
 
 def _launch_args(blocks: Blocks) -> dict:
