@@ -128,11 +128,9 @@ _EVIDENCE_CHANGES = {
             1,
         )
     ],
-    # the rounded output's row sums on the CUDA cores (unpacked, converted back to fp32 and added), as
-    # before they went to the tensor cores (triton_gemm._output_row_sums)
-    "out_sums_cuda_cores": [
-        ("_output_row_sums(out, UPCAST, BN), mask=mask_m)", "tl.sum(out.to(tl.float32), axis=1), mask=mask_m)", 1)
-    ],
+    # the rounded output's row sums on the tensor cores (TritonGemmConfig.output_sums_mma: a narrow MMA
+    # of the output against a ones column) instead of the CUDA cores
+    "out_sums_mma": [("_output_row_sums(out, OUT_SUMS_MMA, UPCAST, BN)", "_output_row_sums(out, True, UPCAST, BN)", 1)],
     # no launch verdict at all
     "no_verdict": [
         ("        if ROW_CHECK or COL_CHECK:\n            fence", "        if False:\n            fence", 1)

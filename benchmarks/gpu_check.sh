@@ -9,9 +9,9 @@
 #   evidence-parts  the evidence inside the launch beside it with parts switched off or changed
 #                 (results/gemm_diagnose_evidence_parts.json), then the checked GEMM's
 #                 GPU tests (about 3 minutes) and the inline-against-second-launch shadow of a real step
-#   out-sums      the rounded output's row sums on the tensor cores against the CUDA cores, in the training
-#                 step's checked launch (results/gemm_diagnose_out_sums.json), then the GEMM's GPU tests (replays
-#                 bit-exact across the shape table)
+#   out-sums      the rounded output's row sums on the tensor cores (TritonGemmConfig.output_sums_mma) against the
+#                 CUDA cores, in the training step's checked launch (results/gemm_diagnose_out_sums.json), then the
+#                 GEMM's GPU tests (replays bit-exact across the shape table, with the option too)
 #   side-groups   the reference side's slices taken by every g-th tile, g = 1, 2, 4, 8
 #                 (benchmarks/gemm_diagnose.py --side-groups → results/gemm_diagnose_side_groups.json)
 #   side-in-loop  the row side inside the K loop against its slices after it, on the GQA k/v shapes and q/o
@@ -102,7 +102,7 @@ case "${1:-tests-1}" in
       | tee "$out/evidence_shadow.log" | tail -6
     cp benchmarks/results/evidence_shadow.json "$out/" ;;
   out-sums)
-    timeout 240 python benchmarks/gemm_diagnose.py --evidence-parts --layers gate_up,q_o,8b.o,kv --parts out_sums_cuda_cores \
+    timeout 240 python benchmarks/gemm_diagnose.py --evidence-parts --layers gate_up,q_o,8b.o,kv --parts out_sums_mma \
       --out benchmarks/results/gemm_diagnose_out_sums.json 2>&1 | grep -v "Warn\|^kernel regs" \
       | tee "$out/gemm_diagnose_out_sums.log" | tail -10
     cp benchmarks/results/gemm_diagnose_out_sums.json "$out/" 2>/dev/null

@@ -151,16 +151,21 @@ def test_values_and_checksums_match_the_reference_path(kind, dtype, shape):
 
 def with_side(cfg: tg.TritonGemmConfig, side: int | str) -> tg.TritonGemmConfig:
     """`cfg` with its row side after the K loop in slices of `side` tiles (TritonGemmConfig.side_group),
-    or, "loop", inside the K loop (side_in_loop)."""
+    or, "loop", inside the K loop (side_in_loop); "mma_sums": slices of one tile and the rounded
+    output's row sums on the tensor cores (output_sums_mma)."""
     if side == "loop":
         return dataclasses.replace(cfg, side_in_loop=True)
+    if side == "mma_sums":
+        return dataclasses.replace(cfg, output_sums_mma=True)
     return dataclasses.replace(cfg, side_group=side)
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
 @pytest.mark.parametrize(
-    ("model", "side"), [(tg.FAULT_PERTURB, 1), (tg.FAULT_BITFLIP, 1), (tg.FAULT_BITFLIP, 2), (tg.FAULT_BITFLIP, "loop")]
-)
+    ("model", "side"),
+    [(tg.FAULT_PERTURB, 1), (tg.FAULT_BITFLIP, 1), (tg.FAULT_BITFLIP, 2), (tg.FAULT_BITFLIP, "loop"),
+     (tg.FAULT_BITFLIP, "mma_sums")],
+)  # fmt: skip
 # A flipped exponent bit can make the corrupted element overflow in the bf16 output cast: that inf is
 # the corruption itself, and the interpreter warns about it in numpy.
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
@@ -191,7 +196,7 @@ def test_a_fault_is_detected_located_captured_and_replayed(kind, model, side):
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
 @pytest.mark.parametrize(
     ("dtype", "side"),
-    [(torch.float16, 1), (torch.float16, 3), (torch.float16, "loop"),
+    [(torch.float16, 1), (torch.float16, 3), (torch.float16, "loop"), (torch.float16, "mma_sums"),
      pytest.param(torch.float32, 1, marks=pytest.mark.skipif(DEVICE == "cuda", reason="fp32 runs on cuBLAS on a GPU"))],
 )  # fmt: skip
 def test_clean_captures_replay_bit_for_bit(kind, dtype, side):
@@ -206,6 +211,26 @@ def test_clean_captures_replay_bit_for_bit(kind, dtype, side):
     assert capture.exact_violations() == 0
     capture.saved.row_part[0, 0] += 0.5  # a saved accumulator sum no correct execution gives
     assert capture.exact_violations() == 1
+
+
+@pytest.mark.parametrize("kind", ["fwd", "wgrad"])
+def test_the_output_sums_on_the_tensor_cores_are_the_rounded_outputs_row_sums(kind):
+    # out_part per tile with output_sums_mma against the CUDA cores' sums of the same rounded output:
+    # both fp32 sums of the same BN values in different orders (an MMA, a tree), so within
+    # 2·BN·u32 of the sum of their magnitudes — a wrong ones column or a lost element is far outside.
+    m, k, n = 64, 48, 96
+    dtype = torch.float16
+    a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=5)
+    cfg = tg.config_for(m, n, k)
+    out_plain, plain = launch(a, b, flags, logical, dtype, cfg=cfg)[:2]
+    out_mma, mma = launch(a, b, flags, logical, dtype, cfg=dataclasses.replace(cfg, output_sums_mma=True))[:2]
+    assert torch.equal(out_plain, out_mma)  # the output itself does not change
+    bn = cfg.block_n
+    magnitude = out_plain.double().abs()
+    tiles = torch.stack([magnitude[:, j : j + bn].sum(1) for j in range(0, n, bn)])  # [tiles_n, M] Σ|out|
+    bound = 2 * bn * U32 * tiles + 1e-30
+    assert torch.all((mma.out_part.double() - plain.out_part.double()).abs().cpu() <= bound.cpu())
+    assert torch.equal(plain.row_part, mma.row_part)  # the accumulator's own sums are untouched
 
 
 def test_launches_are_deterministic_and_counters_reset():
@@ -504,7 +529,7 @@ SHAPE_TABLE = [(2048, 2048, 256), (2048, 8192, 128), (8192, 3584, 512), (4096, 4
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("side", [1, 4, "loop"])
+@pytest.mark.parametrize("side", [1, 4, "loop", "mma_sums"])
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
 @pytest.mark.parametrize("shape", SHAPE_TABLE, ids=lambda s: "x".join(map(str, s)))
 def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape, side):
@@ -513,7 +538,7 @@ def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape, side):
     # a column check, its column); the replay differs from the capture in the faulted row and column
     # only: every other accumulator sum and both reference sides are bit for bit the original's. With
     # side 4, every fourth tile of a block computes the side's slices; "loop", every tile the row side
-    # in its K loop (TritonGemmConfig).
+    # in its K loop; "mma_sums", the rounded output's row sums on the tensor cores (TritonGemmConfig).
     m, k, n = shape
     dtype = torch.bfloat16
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=11)

@@ -16,8 +16,8 @@ replays bit for bit). What the checks add rides on work the kernel already does:
   slices are summed in fp64 in a fixed order by the evidence. A column check does the same with
   Bᵀ·S(u1), u1 = 1ᵀA, slice i in the tiles of row block i. No second pass over an activation.
 - epilogue: per tile, the row sums and row sums of squares of the fp32 accumulator before rounding
-  and the row sums of the rounded output (a narrow MMA of the output against a ones column:
-  `_output_row_sums`) — `row_part`, `rsq_part`, `out_part` [tiles_n, M] — and for a
+  and the row sums of the rounded output (`_output_row_sums`; optionally a narrow MMA of the output
+  against a ones column) — `row_part`, `rsq_part`, `out_part` [tiles_n, M] — and for a
   column check the column sums and sums of squares, `col_part`, `csq_part` [tiles_m, N]. A row's
   difference is scaled by the accumulator row's own norm ‖C_i‖: for products of independent signs
   E‖C_i‖² = Σ_k A_ik²‖B_k,:‖², the reference path's scale (kernels/reference.py), here free in the
@@ -181,16 +181,17 @@ def _slices_of(block, tiles, parts, replay):
 
 
 @triton.jit
-def _output_row_sums(out, UPCAST: tl.constexpr, BN: tl.constexpr):
-    """Σ_j of the rounded output [BM, BN] per row, on the tensor cores: out · E, E [BN, 16] a ones
-    column beside zeros, an fp32 accumulation in the MMA's fixed order. On Hopper the MMA takes `out`
-    from the registers the accumulator's rounding left it in (the accumulator's layout is the A
-    operand's, as FlashAttention-3 feeds P to P·V), so no row of it is unpacked, converted back to
-    fp32 and added on the CUDA cores — which, with the tile's other sums, made the epilogue ~45%
-    longer in the forward (sm_90a, Triton 3.6). Replays compare these sums bit for bit, so only their
-    determinism matters, not their order."""
-    if out.dtype == tl.float32:  # (fp32 outputs: an MMA would take them as tf32)
-        return tl.sum(out, axis=1)
+def _output_row_sums(out, MMA: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr):
+    """Σ_j of the rounded output [BM, BN] per row. With MMA (TritonGemmConfig.output_sums_mma) on the
+    tensor cores: out · E, E [BN, 16] a ones column beside zeros, an fp32 accumulation in the MMA's
+    fixed order. On Hopper the MMA takes `out` from the registers the accumulator's rounding left it
+    in (the accumulator's layout is the A operand's, as FlashAttention-3 feeds P to P·V), so no
+    element is rounded on its own, unpacked, converted back to fp32 and added on the CUDA cores:
+    ~300 instructions per thread fewer in a 128 × 256 forward tile's epilogue (sm_90a, Triton 3.6).
+    Otherwise a tree sum in fp32. Replays compare these sums bit for bit against a run of the same
+    kernel, so only their determinism matters, not their order."""
+    if not MMA or out.dtype == tl.float32:  # (fp32 outputs: an MMA would take them as tf32)
+        return tl.sum(out.to(tl.float32), axis=1)
     ones = ((tl.arange(0, BN)[:, None] >= 0) & (tl.arange(0, SIDE_N)[None, :] == 0)).to(out.dtype)
     # (the interpreter multiplies bf16 bit patterns: it takes the values in fp32)
     sums = tl.dot(out.to(tl.float32), ones.to(tl.float32)) if UPCAST else tl.dot(out, ones)
@@ -358,6 +359,7 @@ def checked_gemm_kernel(
     ROW_CHECK: tl.constexpr,  # row partials (and row evidence)
     ROW_SIDE: tl.constexpr,  # A·c and A·1
     SIDE_IN_LOOP: tl.constexpr,  # (ROW_SIDE) A·S in the K loop of every tile, one slice (TritonGemmConfig)
+    OUT_SUMS_MMA: tl.constexpr,  # (ROW_CHECK) the rounded output's row sums on the tensor cores (TritonGemmConfig)
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
     EVIDENCE: tl.constexpr,  # evidence and by-product finished inside this launch (gemm_evidence)
@@ -427,7 +429,7 @@ def checked_gemm_kernel(
             _store_partials(acc, 1, row_part_ptr + pid_n * M, rsq_part_ptr + pid_n * M, offs_m, mask_m, row_diff,
                             row_sq_total, TOTALS)  # fmt: skip
         if ROW_CHECK:
-            tl.store(out_part_ptr + pid_n * M + offs_m, _output_row_sums(out, UPCAST, BN), mask=mask_m)
+            tl.store(out_part_ptr + pid_n * M + offs_m, _output_row_sums(out, OUT_SUMS_MMA, UPCAST, BN), mask=mask_m)
         c_desc.store([off_m, off_n], out)
         if COL_CHECK:
             if ROW_CHECK:
@@ -529,6 +531,13 @@ class TritonGemmConfig:
     # A — for the narrow classes (tiles_n ≤ 4), where the slice after the loop re-reads 1/tiles_n of
     # A's row block from L2 (`HOPPER_TABLE` has the measurements). The column side stays after the loop.
     side_in_loop: bool = False
+    # The rounded output's row sums (`out_part`, what a replay compares to tell whether a fault reached
+    # the output) on the tensor cores: a narrow MMA of the output, from the registers the rounding
+    # left it in, against a ones column (`_output_row_sums`) — ~300 fewer instructions per thread in a
+    # forward tile's epilogue on sm_90a — instead of unpacking, converting and adding each element on
+    # the CUDA cores. Off until the device has timed it and run the replay tests with it
+    # (`benchmarks/gpu_check.sh out-sums`): a replay compares these sums bit for bit.
+    output_sums_mma: bool = False
 
 
 # Hopper: 128×256×64 tiles, 8 warps, 3 stages run bf16 GEMMs at cuBLAS speed on the H200.
@@ -940,6 +949,7 @@ class _Layout:
             ROW_CHECK=row_check,
             ROW_SIDE=row_side,
             SIDE_IN_LOOP=row_side and cfg.side_in_loop,
+            OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
             COL_CHECK=col_check,
             FAULT=model,
             EVIDENCE=inline,
