@@ -2,18 +2,21 @@
 
 Compiles the forward (`GPU_CONFIG`'s and the warp-specialized one), dK/dV and dQ kernels
 (`kernels/triton_attention.py`; bf16, head dimension 128 or `--head-dim`, with the blocks `config_for`
-gives it, no mask, no dropout), causal and full,
-unchecked and checked, for sm_90a with Triton's bundled `ptxas` (no GPU needed), and disassembles
-each with the bundled `nvdisasm` to count the local-memory stores and loads (`STL`, `LDL`: spill traffic) inside each of
-its loops — the K loops run once per key (query) block, so a spill there is paid by every block,
-one outside them once per program. Also counted per loop: `HGMMA` (wgmma instructions) and `SHFL`
-(reductions across threads); and per kernel the order in which its PTX issues and waits for its
-wgmma groups (`mma_sequence`: whether anything runs while an MMA does).
+gives it; without a mask and dropout causal and full, with `--mask` both and full only, as SDPA takes
+no mask with is_causal), unchecked and checked, for sm_90a with Triton's bundled `ptxas` (no GPU
+needed), and disassembles each with the bundled `nvdisasm` to count the local-memory stores and loads
+(`STL`, `LDL`: spill traffic) inside each of its loops — the K loops run once per key (query)
+block, so a spill there is paid by every block, one outside them once per program. Also counted per
+loop: `HGMMA` (wgmma instructions) and `SHFL` (reductions across threads); and per kernel the order
+in which its PTX issues and waits for its wgmma groups (`mma_sequence`: whether anything runs while
+an MMA does).
 
-    python benchmarks/attention_registers.py [--head-dim 256] [--out benchmarks/results/attention_registers.json]
+    python benchmarks/attention_registers.py [--head-dim 256] [--mask] [--out FILE]
 
 Shared memory per kernel (`shared_bytes`) is reported beside: a kernel asking for more than Hopper's
-227 KB does not launch.
+227 KB does not launch. Pointers and the integers a launch at real shapes specializes as multiples of
+16 are compiled as such (`_divisible`): that is what lets Triton pipeline the K and V loads into
+shared memory, as on the device (records made before counted no such stages).
 """
 
 from __future__ import annotations
@@ -34,15 +37,16 @@ from common import bundled_tool, compile_for_sm90a, write_result
 from aegis_sdc.kernels import triton_attention as ta
 
 
-def kernels(head_dim: int) -> dict:
-    """kernel name → (kernel, its blocks) as a call of this head dimension runs them (`config_for`);
-    the warp-specialized forward only up to its largest head dimension."""
-    cfg = ta.config_for(head_dim)
+def kernels(head_dim: int, masked: bool = False) -> dict:
+    """kernel name → (kernel, its blocks) as a call of this head dimension, with an attn_mask or not,
+    runs them (`config_for`); the warp-specialized forward only up to its largest head dimension and
+    without a mask."""
+    cfg = ta.config_for(head_dim, masked)
     chosen = {"fwd": (ta.attention_fwd_kernel, cfg.fwd),
               "fwd_ws": (ta.attention_fwd_ws_kernel, ta.GPU_FWD_WARP_SPECIALIZED),
               "bwd_kv": (ta.attention_bwd_kv_kernel, cfg.kv),
               "bwd_q": (ta.attention_bwd_q_kernel, cfg.q)}  # fmt: skip
-    if head_dim > ta.WS_MAX_HEAD_DIM:
+    if head_dim > ta.WS_MAX_HEAD_DIM or masked:
         del chosen["fwd_ws"]
     return chosen
 
@@ -65,6 +69,15 @@ def _signature(fn, constexprs: dict) -> dict[str, str]:
         else:
             types[name] = "fp32" if name in _F32_ARGS else "i32"
     return types
+
+
+def _divisible(fn, types: dict) -> tuple:
+    """The arguments a launch at real shapes specializes as multiples of 16: every pointer (torch's
+    allocations are aligned) and every integer but the fault's (not specialized) and the GQA group
+    (4 or 8 query heads per key/value head) — strides, lengths and head counts of such shapes are.
+    With them Triton pipelines the K and V loads into shared memory, as on the device."""
+    return tuple(name for name, kind in types.items()
+                 if kind.startswith("*") or (kind == "i32" and name not in (*ta._FAULT_INTS, "group")))  # fmt: skip
 
 
 def _loops(sass: list[str]) -> list[tuple[int, int]]:
@@ -92,21 +105,22 @@ def _count(lines: list[str], opcode: str) -> int:
     return sum(1 for line in lines if re.search(rf"\b{opcode}\b", line))
 
 
-def measure(kernel: str, causal: bool, check: bool, head_dim: int = 128) -> dict:
-    fn, blocks = kernels(head_dim)[kernel]
-    constexprs = dict(CAUSAL=causal, HAS_MASK=False, CHECK=check, MODEL=0, STAGE=ta.NO_STAGE, DROPOUT=False,
+def measure(kernel: str, causal: bool, check: bool, head_dim: int = 128, masked: bool = False) -> dict:
+    fn, blocks = kernels(head_dim, masked)[kernel]
+    constexprs = dict(CAUSAL=causal, HAS_MASK=masked, CHECK=check, MODEL=0, STAGE=ta.NO_STAGE, DROPOUT=masked,
                       EVEN=True, DT=tl.bfloat16, UPCAST=False, D=head_dim, BM=blocks.block_m, BN=blocks.block_n,
                       STAGES=blocks.num_stages)  # fmt: skip
     constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     types = {k: v for k, v in _signature(fn, constexprs).items() if v != "constexpr"}
-    compiled, _, registers, stores, loads = compile_for_sm90a(fn, types, constexprs, num_warps=blocks.num_warps,
+    compiled, _, registers, stores, loads = compile_for_sm90a(fn, types, constexprs, divisible=_divisible(fn, types),
+                                                              num_warps=blocks.num_warps,
                                                               num_stages=blocks.num_stages)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         sass = subprocess.run([bundled_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
                               check=True).stdout.splitlines()  # fmt: skip
-    row = {"kernel": kernel, "causal": causal, "check": check, "head_dim": head_dim,
+    row = {"kernel": kernel, "causal": causal, "check": check, "head_dim": head_dim, "mask_and_dropout": masked,
            "blocks": dataclasses.asdict(blocks),
            "registers": registers, "spill_store_bytes": stores, "shared_bytes": compiled.metadata.shared,
            "warp_specialized": "setmaxnreg" in compiled.asm["ptx"],
@@ -122,9 +136,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "attention_registers.json")
     parser.add_argument("--head-dim", type=int, default=128, help="the head dimension D (its blocks: config_for)")
+    parser.add_argument("--mask", action="store_true", help="calls with an attn_mask and dropout (their blocks)")
     args = parser.parse_args()
-    rows = [measure(k, causal, check, args.head_dim) for k in kernels(args.head_dim) for causal in (True, False)
-            for check in (False, True)]  # fmt: skip
+    rows = [measure(k, causal, check, args.head_dim, args.mask) for k in kernels(args.head_dim, args.mask)
+            for causal in ((False,) if args.mask else (True, False)) for check in (False, True)]  # fmt: skip
     env = {"triton": triton.__version__, "target": "sm_90a", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": " ".join(["python", *sys.argv])}  # fmt: skip
     summary = {

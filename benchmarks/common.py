@@ -131,9 +131,13 @@ def descriptor_type(box: list[int], dtype: str, layout: Any) -> str:
     return f"tensordesc<{dtype}[{', '.join(map(str, box))}],{layout!r}>"
 
 
-def compile_for_sm90a(fn, signature: dict, constexprs: dict, gluon: bool = False, **options: Any):
+def compile_for_sm90a(fn, signature: dict, constexprs: dict, gluon: bool = False, divisible: tuple = (),
+                      **options: Any):  # fmt: skip
     """`fn` (a Triton or, with `gluon`, a Gluon kernel) compiled for sm_90a on any machine, no GPU:
-    (the compiled kernel, its ptxas -v report, registers per thread, spill store bytes, spill load bytes)."""
+    (the compiled kernel, its ptxas -v report, registers per thread, spill store bytes, spill load bytes).
+    `divisible`: the arguments a launch would specialize as multiples of 16 (16-byte aligned pointers,
+    integers divisible by 16) — what lets Triton vectorize and pipeline pointer loads, so a kernel
+    that loads through pointers compiles here as it would for such a launch."""
     import os
     import re
     import tempfile
@@ -146,7 +150,8 @@ def compile_for_sm90a(fn, signature: dict, constexprs: dict, gluon: bool = False
         from triton.compiler import ASTSource as Source
     names = fn.arg_names
     source = Source(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
-                    constexprs={(names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in divisible})  # fmt: skip
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"

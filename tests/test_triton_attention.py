@@ -305,6 +305,38 @@ def test_gpu_kernels_at_real_shapes(dtype, causal, d, fwd_kernel):
         assert float(hit.values[row, 1]) > 100 * float(grads.values[row].max()), stage
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_gpu_kernels_with_a_padding_mask_at_real_shapes(d, dropout):
+    # A padding mask [1, S, S] (fp32, its tiles pipelined into shared memory beside K and V: with it the
+    # dQ kernel on GPU_CONFIG's blocks would ask for 270 KB at D = 128 and not launch, so masked calls
+    # take their own, `config_for(masked=True)`): values against the reference path (bf16 P and dS:
+    # 2⁻⁸ of the largest output), the checks under their starting bounds, bit-exact reruns, a dq fault
+    # seen in its head. Under dropout the reference path takes the kernels' draw (`dropout_scales`).
+    n, s = 16, 1024
+    q, k, v, do = operands(n, s, s, d, torch.bfloat16, seed=12)
+    scale = 1 / math.sqrt(d)
+    mask = torch.zeros(1, s, s, device=DEVICE)
+    mask[..., s - 100 :] = float("-inf")  # the last 100 keys are padding
+    drop = ta.DropoutDraw.new(dropout, q.device) if dropout else None
+    scales = ta.dropout_scales(drop, n, s, s) if dropout else None
+    got = ta.forward(q, k, v, scale, False, mask=mask, drop=drop)
+    grads = ta.backward(q, k, v, got.out, got.lse, do, scale, False, mask=mask, drop=drop)
+    want = ref.attention_forward(q, k, v, scale, False, mask=mask, drop=scales)
+    assert torch.allclose(got.out.float(), want.out.float(), atol=2**-7 * float(want.out.float().abs().max()))
+    wb = ref.attention_backward(q, k, v, want.out, want.lse, do, scale, False, mask=mask, drop=scales)
+    for name in ("dq", "dk", "dv"):
+        w = getattr(wb, name)
+        assert torch.allclose(getattr(grads, name), w, atol=2**-6 * float(w.abs().max())), name
+    assert torch.all(got.values <= worst_case_bound(s, d))
+    again = ta.backward(q, k, v, got.out, got.lse, do, scale, False, mask=mask, drop=drop)
+    assert torch.equal(again.values, grads.values) and torch.equal(again.dq, grads.dq)
+    hit = ta.backward(q, k, v, got.out, got.lse, do, scale, False, fault(1, "dq"), mask=mask, drop=drop)
+    row = BACKWARD_CHECKS.index("dq")
+    assert float(hit.values[row, 1]) > 100 * float(grads.values[row].max())
+
+
 def test_gqa_heads_are_read_in_place_and_unchecked_runs_compute_the_same(fwd_kernel):
     # 2 batches × 4 query heads over 2 key/value heads: the kernels index K and V per group instead
     # of an expanded copy — bit for bit what the expanded operands give; check=False drops only the checks.

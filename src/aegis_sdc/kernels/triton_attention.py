@@ -334,12 +334,14 @@ def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, l
         offs_n = start_n + tl.arange(0, BN)
         k = _tile(k_ptr, offs_n, Sk, sk_s, D, EVEN, UPCAST)
         v = _tile(v_ptr, offs_n, Sk, sv_s, D, EVEN, UPCAST)
+        if CHECK:
+            w = _side(w_ptr, offs_n, Sk, EVEN, UPCAST)
         acc, m_i, l_i, p_op, alpha = _fwd_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, head, mask_ptr, sm_q, Sq, Sk,
                                                scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask, seed,
                                                p_drop, keep_scale, DROPOUT, MASKED, CAUSAL, HAS_MASK, MODEL, STAGE,
                                                DT, UPCAST)  # fmt: skip
         if CHECK:
-            ref = tl.dot(p_op, _side(w_ptr, offs_n, Sk, EVEN, UPCAST), ref * alpha[:, None])
+            ref = tl.dot(p_op, w, ref * alpha[:, None])
     return acc, ref, m_i, l_i
 
 
@@ -871,21 +873,28 @@ WS_MAX_HEAD_DIM = 128
 INTERPRETER_CONFIG = AttentionConfig(fwd=Blocks(16, 16, 4, 1), kv=Blocks(16, 16, 4, 1), q=Blocks(16, 16, 4, 1))
 
 
-# Head dimension 256 (Gemma's): with GPU_CONFIG the dQ kernel would ask for 256 KB of shared memory
-# (Hopper has 227 KB: its launch fails) and the dK/dV kernel would spill 4.9 KB per thread (its two
-# [64, 256] fp32 accumulators over 4 warps). These blocks fit — 98, 99 and 131 KB, at most 1.5 KB of
-# spills, checked and causal (sm_90a under Triton 3.6: `benchmarks/attention_registers.py --head-dim
-# 256`, results/attention_registers_d256.json) — chosen for fitting, not yet timed.
+# Shared memory, as a launch at real shapes compiles (the K and V loads pipelined into it; sm_90a under
+# Triton 3.6: `benchmarks/attention_registers.py`, its records name the options): Hopper gives a block
+# 227 KB, and a kernel that asks for more does not launch. An attn_mask pipelines its fp32 tiles too:
+# with one, GPU_CONFIG's dQ kernel asks for 270 KB at head dimension 128, so masked calls run it on
+# 128 × 64 blocks (135 KB unmasked, 168 KB with a mask and dropout; results/attention_registers_mask.json).
+GPU_Q_MASKED = Blocks(128, 64, 8, 2)
+# Head dimension 256 (Gemma's): GPU_CONFIG's dQ kernel would ask for 401 KB and its dK/dV kernel spill
+# 3.2 KB per thread (two [64, 256] fp32 accumulators over 4 warps). These blocks ask for 133, 171 and
+# 201 KB (150, 187 and 217 KB with a mask and dropout), at most 276 bytes of spills
+# (results/attention_registers_d256.json, ..._d256_mask.json). Chosen to fit, not yet timed.
 GPU_CONFIG_WIDE = AttentionConfig(fwd=Blocks(128, 32, 8, 2), kv=Blocks(32, 64, 8, 3), q=Blocks(64, 64, 8, 2))
 WIDE_HEAD_DIM = 128  # GPU_CONFIG up to this head dimension, GPU_CONFIG_WIDE past it
 
 
-def config_for(head_dim: int) -> AttentionConfig:
-    """The blocks of a call with this head dimension (a call's bits depend on them: replays take the
-    call's head dimension, so the same blocks)."""
+def config_for(head_dim: int, masked: bool = False) -> AttentionConfig:
+    """The blocks of a call with this head dimension, with an attn_mask or not (a call's bits depend on
+    them: its replays have the same head dimension and mask, so the same blocks)."""
     if INTERPRET:
         return INTERPRETER_CONFIG
-    return GPU_CONFIG if head_dim <= WIDE_HEAD_DIM else GPU_CONFIG_WIDE
+    if head_dim > WIDE_HEAD_DIM:
+        return GPU_CONFIG_WIDE
+    return dataclasses.replace(GPU_CONFIG, q=GPU_Q_MASKED) if masked else GPU_CONFIG
 
 
 def _launch_args(blocks: Blocks) -> dict:
@@ -1119,7 +1128,7 @@ def backward(q, k, v, out, lse, dout, scale: float, causal: bool, fault: HeadFau
     n, heads, group = _layout(q, k, heads)
     sq, d = q.shape[-2:]
     sk = k.shape[-2]
-    cfg = config_for(d)
+    cfg = config_for(d, masked=mask is not None)
     do = dout if dout.stride(-1) == 1 else dout.contiguous()
     wdo, _, _, _, delta, dmag = _sums(do, heads, o=out)  # D = rowsum(dO ⊙ O) [N, Sq] with the side operand of dO
     if check:
