@@ -334,14 +334,12 @@ def _fwd_block(acc, ref, m_i, l_i, q, k_ptr, v_ptr, w_ptr, sk_s, sv_s, offs_m, l
         offs_n = start_n + tl.arange(0, BN)
         k = _tile(k_ptr, offs_n, Sk, sk_s, D, EVEN, UPCAST)
         v = _tile(v_ptr, offs_n, Sk, sv_s, D, EVEN, UPCAST)
-        if CHECK:
-            w = _side(w_ptr, offs_n, Sk, EVEN, UPCAST)
         acc, m_i, l_i, p_op, alpha = _fwd_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, head, mask_ptr, sm_q, Sq, Sk,
                                                scale2, fault_head, fault_row, fault_col, fault_delta, fault_mask, seed,
                                                p_drop, keep_scale, DROPOUT, MASKED, CAUSAL, HAS_MASK, MODEL, STAGE,
                                                DT, UPCAST)  # fmt: skip
         if CHECK:
-            ref = tl.dot(p_op, w, ref * alpha[:, None])
+            ref = tl.dot(p_op, _side(w_ptr, offs_n, Sk, EVEN, UPCAST), ref * alpha[:, None])
     return acc, ref, m_i, l_i
 
 
@@ -878,7 +876,7 @@ INTERPRETER_CONFIG = AttentionConfig(fwd=Blocks(16, 16, 4, 1), kv=Blocks(16, 16,
 # 227 KB, and a kernel that asks for more does not launch. An attn_mask pipelines its fp32 tiles too:
 # with one, GPU_CONFIG's dQ kernel asks for 270 KB at head dimension 128, so masked calls run it on
 # 128 × 64 blocks (135 KB unmasked, 168 KB with a mask and dropout; results/attention_registers_mask.json).
-GPU_Q_MASKED = Blocks(128, 64, 8, 2)
+GPU_CONFIG_MASKED = dataclasses.replace(GPU_CONFIG, q=Blocks(128, 64, 8, 2))
 # Head dimension 256 (Gemma's): GPU_CONFIG's dQ kernel would ask for 401 KB and its dK/dV kernel spill
 # 3.2 KB per thread (two [64, 256] fp32 accumulators over 4 warps). These blocks ask for 133, 171 and
 # 201 KB (150, 187 and 217 KB with a mask and dropout), at most 276 bytes of spills
@@ -894,7 +892,7 @@ def config_for(head_dim: int, masked: bool = False) -> AttentionConfig:
         return INTERPRETER_CONFIG
     if head_dim > WIDE_HEAD_DIM:
         return GPU_CONFIG_WIDE
-    return dataclasses.replace(GPU_CONFIG, q=GPU_Q_MASKED) if masked else GPU_CONFIG
+    return GPU_CONFIG_MASKED if masked else GPU_CONFIG
 
 
 def _launch_args(blocks: Blocks) -> dict:
