@@ -39,6 +39,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -106,11 +107,13 @@ class Case:
         }
         self.flops = 2 * m * k * n
 
-    def ours(self, mode: str, cfg: tg.TritonGemmConfig | None = None):
-        """Our launch for `mode` (see the module docstring), at the shape's configuration or `cfg`."""
+    def ours(self, mode: str, cfg: tg.TritonGemmConfig | None = None, launch: Callable | None = None):
+        """Our launch for `mode` (see the module docstring), at the shape's configuration or `cfg`;
+        `launch`: another module's launch_checked_gemm (a diagnostic's patched kernel)."""
         cfg = cfg or self.cfg
+        launch = launch or tg.launch_checked_gemm
         if mode == "unchecked":
-            return lambda: tg.launch_checked_gemm(self.a, self.b, self.out, a_t=self.a_t, b_t=self.b_t, cfg=cfg)
+            return lambda: launch(self.a, self.b, self.out, a_t=self.a_t, b_t=self.b_t, cfg=cfg)
         col = mode == "colopt" or (mode == "rowcol" and self.kind == "wgrad")
         capture = tg.CAPTURE_TILE if col else tg.CAPTURE_ROWS
 
@@ -120,7 +123,7 @@ class Case:
                 u_side = self.u_side
                 if self.kind != "wgrad":
                     u_side = SideMatrix.of(self.a.sum(0, dtype=torch.float64), self.a.dtype)
-            tg.launch_checked_gemm(
+            launch(
                 self.a, self.b, self.out, a_t=self.a_t, b_t=self.b_t, c_side=self.c_side, u_side=u_side,
                 row_check=True, row_side=True, col_check=col, stats=self.stats, counters=self.counters,
                 pool=self.pools[capture], capture=capture,

@@ -15,18 +15,22 @@ changed at a time (the kernel's module loaded again from patched source; `--part
 launch, and with no evidence. `--warp-specialized`: the kernel's parts with Triton's warp
 specialization of the tile loop, and whether its output is bit-identical.
 
+`--rowcol-parts`: the wgrad's row+col launch with one column part left out at a time (the column side,
+the column partials, their sums of squares, the column blocks' finish: `_COLUMN_CHANGES`), wgrads only.
+
 `--side-groups 1,2,4,8`: the reference side's slices taken by every g-th tile of a block, g times as
 long (TritonGemmConfig.side_group), for each g: the side and partials alone, the training step's
 checked launch, and the wgrad's row+col. The value `loop` is the row side inside every tile's K loop
 instead (TritonGemmConfig.side_in_loop): `--layers kv,7b.kv,70b.kv,q_o --side-groups 1,loop`.
 
     python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--evidence-parts [--parts a,b] | --warp-specialized
-        | --side-groups 1,2,4] [--out benchmarks/results/gemm_diagnose.json]
+        | --side-groups 1,2,4 | --rowcol-parts] [--out benchmarks/results/gemm_diagnose.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -147,7 +151,39 @@ _EVIDENCE_CHANGES = {
 }
 
 
-_KERNEL_CHANGES = _WARP_SPECIALIZED | _EVIDENCE_CHANGES
+# Where a wgrad's column check costs (`--rowcol-parts`): its row+col launch with one column part left
+# out at a time (the verdict then compares against what is missing: timing only).
+_COLUMN_CHANGES = {
+    # no column side: the tiles' slices of Bᵀ·S(u1) after their K loops
+    "no_col_side": [
+        (
+            "        if COL_CHECK:\n            first, stop = _slices_of(pid_m",
+            "        if False:\n            first, stop = _slices_of(pid_m",
+            1,
+        )
+    ],
+    # no column partials: the accumulator's column sums and sums of squares in the epilogue
+    "no_col_partials": [
+        (
+            "            _store_partials(acc, 0, col_part_ptr",
+            "            if False:\n                _store_partials(acc, 0, col_part_ptr",
+            1,
+        )
+    ],
+    # no column sums of squares (the column partials' sums alone)
+    "no_col_squares": [
+        ("    sq = tl.sum(acc * acc, axis=AXIS)", "    sq = tl.sum(acc * acc, axis=AXIS) if AXIS == 1 else total", 1)
+    ],
+    # no column block finished inside the launch (the tiles add their totals, nobody judges the columns)
+    "no_col_finish": [
+        (
+            "        if COL_CHECK:\n            ticket = tl.atomic_add(col_done",
+            "        if False:\n            ticket = tl.atomic_add(col_done",
+            1,
+        )
+    ],
+}
+_KERNEL_CHANGES = _WARP_SPECIALIZED | _EVIDENCE_CHANGES | _COLUMN_CHANGES
 
 
 def _kernel_module_changed(change: str):
@@ -175,6 +211,18 @@ def evidence_part_variants(case: Case, parts: list[str]) -> dict:
         out[f"row_byproduct_inline_{part}"] = lambda m=module, cfg=cfg, own=own: m.launch_checked_gemm(
             case.a, case.b, case.out, cfg=cfg, **own
         )
+    return out
+
+
+def column_part_variants(case: Case) -> dict:
+    """A wgrad's row+col launch whole, then with each of `_COLUMN_CHANGES` (counters of its own)."""
+    out = {"rowcol": case.ours("rowcol")}
+    for part in _COLUMN_CHANGES:
+        module = _kernel_module_changed(part)
+        cfg = module.TritonGemmConfig(**dataclasses.asdict(case.cfg))
+        own = copy.copy(case)
+        own.counters = torch.zeros_like(case.counters)
+        out[f"rowcol_{part}"] = own.ours("rowcol", cfg, launch=module.launch_checked_gemm)
     return out
 
 
@@ -234,6 +282,8 @@ def main() -> None:
     )
     parser.add_argument("--parts", default=",".join(_EVIDENCE_CHANGES),
                         help="with --evidence-parts: which of its changes (default: all)")  # fmt: skip
+    parser.add_argument("--rowcol-parts", action="store_true",
+                        help="the wgrad's row+col launch with one column part left out at a time")  # fmt: skip
     parser.add_argument("--warp-specialized", action="store_true",
                         help="the warp-specialized variants, and whether their output is bit-identical")  # fmt: skip
     parser.add_argument("--side-groups", default=None,
@@ -244,7 +294,7 @@ def main() -> None:
         return
     rows = []
     for name, m, k, n in [shape for shape in SHAPES if shape[0] in args.layers.split(",")]:
-        for kind in ("fwd", "wgrad"):
+        for kind in ("wgrad",) if args.rowcol_parts else ("fwd", "wgrad"):
             case = Case(kind, m, k, n)
             row = {"layer": name, "M": m, "K": k, "N": n, "gemm": kind}
             row["cublas_ms"] = device_ms(case.cublas)
@@ -271,6 +321,9 @@ def main() -> None:
                     f"{key}_g{g}": fn for g in (v if v == "loop" else int(v) for v in args.side_groups.split(","))
                     for key, fn in variants(case, side_group=g).items() if key in swept
                 }  # fmt: skip
+            if args.rowcol_parts:
+                chosen = {"unchecked": chosen["unchecked"], "row_inline": chosen["row_inline"]}
+                chosen |= column_part_variants(case)
             if args.evidence_parts:
                 chosen = {key: chosen[key] for key in ("unchecked", "side_and_partials", "row_separate",
                                                        "row_byproduct_inline")}  # fmt: skip

@@ -12,6 +12,9 @@
 #   out-sums      the rounded output's row sums on the tensor cores (TritonGemmConfig.output_sums_mma) against the
 #                 CUDA cores, in the training step's checked launch (results/gemm_diagnose_out_sums.json), then the
 #                 GEMM's GPU tests (replays bit-exact across the shape table, with the option too)
+#   col-parts     where a wgrad's column check costs: its row+col launch with the column side, the column
+#                 partials, their squares or the column blocks' finish left out
+#                 (gemm_diagnose.py --rowcol-parts → results/gemm_diagnose_col_parts.json)
 #   side-groups   the reference side's slices taken by every g-th tile, g = 1, 2, 4, 8
 #                 (benchmarks/gemm_diagnose.py --side-groups → results/gemm_diagnose_side_groups.json)
 #   side-in-loop  the row side inside the K loop against its slices after it, on the GQA k/v shapes and q/o
@@ -108,6 +111,11 @@ case "${1:-tests-1}" in
     cp benchmarks/results/gemm_diagnose_out_sums.json "$out/" 2>/dev/null
     timeout 300 python -m pytest -q -m gpu tests/test_triton_gemm.py tests/test_triton_linear.py -p no:cacheprovider 2>&1 \
       | tee "$out/gemm_gpu_tests.log" | tail -8 ;;
+  col-parts)
+    timeout 150 python benchmarks/gemm_diagnose.py --rowcol-parts --layers gate_up,q_o,8b.o \
+      --out benchmarks/results/gemm_diagnose_col_parts.json 2>&1 | grep -v "Warn\|^kernel regs" \
+      | tee "$out/gemm_diagnose_col_parts.log" | tail -8
+    cp benchmarks/results/gemm_diagnose_col_parts.json "$out/" 2>/dev/null ;;
   side-groups)
     timeout 400 python benchmarks/gemm_diagnose.py --layers gate_up,q_o,kv,8b.o --side-groups 1,2,4,8 \
       --out benchmarks/results/gemm_diagnose_side_groups.json 2>&1 | grep -v "Warn\|^kernel regs" \
