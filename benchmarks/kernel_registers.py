@@ -10,7 +10,8 @@ every tile; the GPU record (`gemm_diagnose.py`, `n_spills`) says the same on the
     python benchmarks/kernel_registers.py [--evidence totals|parts] [--out benchmarks/results/kernel_registers.json]
 
 `--evidence parts` compiles them with `inline_totals` off (the finish sums the tiles' stored parts);
-`--output-sums-mma` with the rounded output's row sums on the tensor cores (`output_sums_mma`).
+`--output-sums-mma` with the rounded output's row sums on the tensor cores (`output_sums_mma`);
+`--side-on-cuda-cores` with every class's row side in the K loop on the CUDA cores; `--classes` picks classes.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def _signature(constexprs: dict) -> dict[str, str]:
 
 def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
     label, a_t, b_t, row_check, col_check, byproduct = kind
+    side_in_loop = (2 if cfg.side_on_cuda_cores else 1) if cfg.side_in_loop else 0
     constexprs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=False, ROW_CHECK=row_check, ROW_SIDE=True, COL_CHECK=col_check,
-                      SIDE_IN_LOOP=cfg.side_in_loop, OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
+                      SIDE_IN_LOOP=side_in_loop, OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
                       FAULT=tg.FAULT_NONE, EVIDENCE=True, TOTALS=cfg.inline_totals, BYPRODUCT=byproduct,
                       SIDE_OUT=byproduct,
                       CAPTURE=(tg.CAPTURE_TILE if col_check else tg.CAPTURE_ROWS) if row_check else tg.CAPTURE_NONE,
@@ -69,7 +71,8 @@ def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
     _, _, registers, stores, loads = compile_for_sm90a(tg.checked_gemm_kernel, types, constexprs,
                                                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
     row = {"class": cls, "kind": label, "block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
-           "side_in_loop": cfg.side_in_loop, "output_sums_mma": cfg.output_sums_mma,
+           "side_in_loop": cfg.side_in_loop, "side_on_cuda_cores": cfg.side_on_cuda_cores,
+           "output_sums_mma": cfg.output_sums_mma,
            "num_stages": cfg.num_stages, "registers": registers, "spill_store_bytes": stores,
            "spill_load_bytes": loads, "inline_totals": cfg.inline_totals,
            "compile_s": round(time.perf_counter() - started, 1)}  # fmt: skip
@@ -84,15 +87,21 @@ def main() -> None:
                         help="inside the launch: fp64 totals by atomics, or parts summed at the finish")  # fmt: skip
     parser.add_argument("--output-sums-mma", action="store_true",
                         help="the rounded output's row sums on the tensor cores (output_sums_mma)")  # fmt: skip
+    parser.add_argument("--side-on-cuda-cores", action="store_true",
+                        help="every class's row side in the K loop on the CUDA cores (side_on_cuda_cores)")  # fmt: skip
+    parser.add_argument("--classes", default=",".join(tg.HOPPER_TABLE), help="which classes of HOPPER_TABLE")
     args = parser.parse_args()
+    cuda_side = dict(side_in_loop=True, side_on_cuda_cores=True) if args.side_on_cuda_cores else {}
     configs: dict[tuple, list[str]] = {}  # one compile per distinct configuration
     for cls, cfg in tg.HOPPER_TABLE.items():
+        if cls not in args.classes.split(","):
+            continue
         key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.group_m, cfg.side_in_loop)
         configs.setdefault(key, []).append(cls)
     rows = []
     for classes in configs.values():
         cfg = dataclasses.replace(tg.HOPPER_TABLE[classes[0]], inline_totals=args.evidence == "totals",
-                                  output_sums_mma=args.output_sums_mma)  # fmt: skip
+                                  output_sums_mma=args.output_sums_mma, **cuda_side)  # fmt: skip
         rows += [measure(",".join(classes), cfg, kind) for kind in KINDS]
     ptxas = bundled_tool("ptxas-blackwell", "ptxas").rsplit("/", 1)[-1]
     env = {"triton": triton.__version__, "target": "sm_90a", "ptxas": ptxas,

@@ -151,10 +151,11 @@ def test_values_and_checksums_match_the_reference_path(kind, dtype, shape):
 
 def with_side(cfg: tg.TritonGemmConfig, side: int | str) -> tg.TritonGemmConfig:
     """`cfg` with its row side after the K loop in slices of `side` tiles (TritonGemmConfig.side_group),
-    or, "loop", inside the K loop (side_in_loop); "mma_sums": slices of one tile and the rounded
-    output's row sums on the tensor cores (output_sums_mma)."""
-    if side == "loop":
-        return dataclasses.replace(cfg, side_in_loop=True)
+    or, "loop", inside the K loop (side_in_loop) as a second MMA, "cuda_loop" on the CUDA cores
+    (side_on_cuda_cores); "mma_sums": slices of one tile and the rounded output's row sums on the
+    tensor cores (output_sums_mma)."""
+    if side in ("loop", "cuda_loop"):
+        return dataclasses.replace(cfg, side_in_loop=True, side_on_cuda_cores=side == "cuda_loop")
     if side == "mma_sums":
         return dataclasses.replace(cfg, output_sums_mma=True)
     return dataclasses.replace(cfg, side_group=side)
@@ -164,7 +165,7 @@ def with_side(cfg: tg.TritonGemmConfig, side: int | str) -> tg.TritonGemmConfig:
 @pytest.mark.parametrize(
     ("model", "side"),
     [(tg.FAULT_PERTURB, 1), (tg.FAULT_BITFLIP, 1), (tg.FAULT_BITFLIP, 2), (tg.FAULT_BITFLIP, "loop"),
-     (tg.FAULT_BITFLIP, "mma_sums")],
+     (tg.FAULT_BITFLIP, "cuda_loop"), (tg.FAULT_BITFLIP, "mma_sums")],
 )  # fmt: skip
 # A flipped exponent bit can make the corrupted element overflow in the bf16 output cast: that inf is
 # the corruption itself, and the interpreter warns about it in numpy.
@@ -196,7 +197,8 @@ def test_a_fault_is_detected_located_captured_and_replayed(kind, model, side):
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
 @pytest.mark.parametrize(
     ("dtype", "side"),
-    [(torch.float16, 1), (torch.float16, 3), (torch.float16, "loop"), (torch.float16, "mma_sums"),
+    [(torch.float16, 1), (torch.float16, 3), (torch.float16, "loop"), (torch.float16, "cuda_loop"),
+     (torch.float16, "mma_sums"),
      pytest.param(torch.float32, 1, marks=pytest.mark.skipif(DEVICE == "cuda", reason="fp32 runs on cuBLAS on a GPU"))],
 )  # fmt: skip
 def test_clean_captures_replay_bit_for_bit(kind, dtype, side):
@@ -365,11 +367,11 @@ def test_the_reference_side_is_spread_over_the_tiles_by_k_slices(kind):
     a, b, flags, logical = orientation(kind, m, k, n, torch.float16, seed=5)
     A64, B64 = logical[0].double().cpu(), logical[1].double().cpu()
     c, u1 = B64.sum(1), A64.sum(0)
-    for block_n, side in ((32, 1), (64, 1), (32, 2), (32, "loop")):
+    for block_n, side in ((32, 1), (64, 1), (32, 2), (32, "loop"), (32, "cuda_loop")):
         cfg = with_side(dataclasses.replace(tg.default_config(), block_n=block_n), side)
         _, res, stats, *_ = launch(a, b, flags, logical, torch.float16, cfg=cfg)
         tiles_m, tiles_n = -(-m // cfg.block_m), -(-n // block_n)
-        parts = 1 if side == "loop" else -(-tiles_n // side)
+        parts = 1 if side in ("loop", "cuda_loop") else -(-tiles_n // side)
         col_parts = -(-tiles_m // cfg.side_group)
         assert res.rowref_parts.shape == (parts, m) and res.colref_parts.shape == (col_parts, n)
         k_tiles = -(-k // cfg.block_k)
@@ -529,7 +531,7 @@ SHAPE_TABLE = [(2048, 2048, 256), (2048, 8192, 128), (8192, 3584, 512), (4096, 4
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("side", [1, 4, "loop", "mma_sums"])
+@pytest.mark.parametrize("side", [1, 4, "loop", "cuda_loop", "mma_sums"])
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
 @pytest.mark.parametrize("shape", SHAPE_TABLE, ids=lambda s: "x".join(map(str, s)))
 def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape, side):
@@ -538,7 +540,8 @@ def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape, side):
     # a column check, its column); the replay differs from the capture in the faulted row and column
     # only: every other accumulator sum and both reference sides are bit for bit the original's. With
     # side 4, every fourth tile of a block computes the side's slices; "loop", every tile the row side
-    # in its K loop; "mma_sums", the rounded output's row sums on the tensor cores (TritonGemmConfig).
+    # in its K loop ("cuda_loop": on the CUDA cores); "mma_sums", the rounded output's row sums on the
+    # tensor cores (TritonGemmConfig).
     m, k, n = shape
     dtype = torch.bfloat16
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=11)

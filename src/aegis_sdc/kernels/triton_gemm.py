@@ -115,22 +115,49 @@ def _load_b(b_desc, off_n, k, B_T: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _main_loop(a_desc, b_desc, s_desc, off_m, off_n, k_tiles, A_T: tl.constexpr, B_T: tl.constexpr,
+def _main_loop(a_desc, b_desc, s_desc, s_ptr, off_m, off_n, K, k_tiles, A_T: tl.constexpr, B_T: tl.constexpr,
                SIDE_IN_LOOP: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr):  # fmt: skip
     """acc [BM, BN] = A·B of one tile, its K tiles in one fixed order: the unchecked GEMM's loop, one
     MMA per step (a narrow side MMA on the steps of the tile's K slice, tried on the H200, made the
     loop 10–50% slower than the side after it). SIDE_IN_LOOP (TritonGemmConfig.side_in_loop): also
-    side [BM, 16] = A·S over all of K, a second MMA on the A tile each step has loaded — for the
-    narrow classes, where a slice after the loop re-reads a large share of A."""
+    side [BM, 16] (column 0: A·c, column 3: A·1, as the side MMA's columns add up) over all of K —
+    1: a second MMA A·S on the A tile each step has loaded; 2: on the CUDA cores from the same A
+    tile (`_side_on_cuda_cores`), beside the step's MMA in flight."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     side = tl.zeros((BM, SIDE_N), dtype=tl.float32)
+    ref = tl.zeros((BM,), dtype=tl.float32)
+    ones = tl.zeros((BM,), dtype=tl.float32)
     for ki in range(k_tiles):
         a = _load_a(a_desc, off_m, ki * BK, A_T, UPCAST)
         acc = tl.dot(a, _load_b(b_desc, off_n, ki * BK, B_T, UPCAST), acc)
-        if SIDE_IN_LOOP:
+        if SIDE_IN_LOOP == 1:
             side = tl.dot(a, load_side(s_desc, ki * BK, UPCAST), side)
+        if SIDE_IN_LOOP == 2:
+            ref, ones = _side_on_cuda_cores(a, s_ptr, ki * BK, K, ref, ones, BK)
+    if SIDE_IN_LOOP == 2:
+        col = tl.arange(0, SIDE_N)[None, :]
+        side = tl.where(col == 0, ref[:, None], tl.where(col == 3, ones[:, None], 0.0))
     return acc, side
+
+
+@triton.jit
+def _side_on_cuda_cores(a, s_ptr, k0, K, ref, ones, BK: tl.constexpr):
+    """One K step of the row side on the CUDA cores: ref += A_tile·c, ones += A_tile·1 [BM], with c
+    [BK] in fp32 from S's three parts (hi + lo + lo2: c·2ᵉ to fp32 precision; gemm_side.py). The A
+    tile [BM, BK] is read from the shared memory the step's MMA reads it from; the products and
+    their per-step sums run while that MMA is in flight, so a tile's K loop keeps one MMA per step
+    (a second, narrow MMA stalled it: SIDE_IN_LOOP = 1). Each row's sum is a fixed tree per step
+    and a chain over the steps: a replay of the tile repeats it bit for bit."""
+    offs_k = k0 + tl.arange(0, BK)
+    mask = offs_k < K  # (past K the A tile's TMA load is zeros too)
+    hi = tl.load(s_ptr + offs_k * SIDE_N, mask=mask, other=0.0).to(tl.float32)
+    lo = tl.load(s_ptr + offs_k * SIDE_N + 1, mask=mask, other=0.0).to(tl.float32)
+    lo2 = tl.load(s_ptr + offs_k * SIDE_N + 2, mask=mask, other=0.0).to(tl.float32)
+    x = a.to(tl.float32)
+    ref += tl.sum(x * (hi + lo + lo2)[None, :], axis=1)
+    ones += tl.sum(x, axis=1)
+    return ref, ones
 
 
 @triton.jit
@@ -358,7 +385,7 @@ def checked_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     ROW_CHECK: tl.constexpr,  # row partials (and row evidence)
     ROW_SIDE: tl.constexpr,  # A·c and A·1
-    SIDE_IN_LOOP: tl.constexpr,  # (ROW_SIDE) A·S in the K loop of every tile, one slice (TritonGemmConfig)
+    SIDE_IN_LOOP: tl.constexpr,  # (ROW_SIDE) A·c in the K loop of every tile, one slice: 1 MMA, 2 CUDA cores
     OUT_SUMS_MMA: tl.constexpr,  # (ROW_CHECK) the rounded output's row sums on the tensor cores (TritonGemmConfig)
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
@@ -403,8 +430,8 @@ def checked_gemm_kernel(
         pid_m, pid_n = _tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
-        acc, side = _main_loop(a_desc, b_desc, side_c_desc, off_m, off_n, k_tiles, A_T, B_T, SIDE_IN_LOOP, UPCAST, BM,
-                               BN, BK)  # fmt: skip
+        acc, side = _main_loop(a_desc, b_desc, side_c_desc, side_c_ptr, off_m, off_n, K, k_tiles, A_T, B_T,
+                               SIDE_IN_LOOP, UPCAST, BM, BN, BK)  # fmt: skip
         offs_m = off_m + tl.arange(0, BM)
         offs_n = off_n + tl.arange(0, BN)
         mask_m = offs_m < M
@@ -531,6 +558,10 @@ class TritonGemmConfig:
     # A — for the narrow classes (tiles_n ≤ 4), where the slice after the loop re-reads 1/tiles_n of
     # A's row block from L2 (`HOPPER_TABLE` has the measurements). The column side stays after the loop.
     side_in_loop: bool = False
+    # With side_in_loop: the in-loop row side on the CUDA cores instead of a second MMA — each K step's
+    # A tile, read from the shared memory the step's MMA reads, times c in fp32 (`_side_on_cuda_cores`),
+    # summed while that MMA is in flight. The K loop keeps one MMA per step and nothing re-reads A.
+    side_on_cuda_cores: bool = False
     # The rounded output's row sums (`out_part`, what a replay compares to tell whether a fault reached
     # the output) on the tensor cores: a narrow MMA of the output, from the registers the rounding
     # left it in, against a ones column (`_output_row_sums`) — ~300 fewer instructions per thread in a
@@ -948,7 +979,7 @@ class _Layout:
             HAS_BIAS=bias_dtype is not None,
             ROW_CHECK=row_check,
             ROW_SIDE=row_side,
-            SIDE_IN_LOOP=row_side and cfg.side_in_loop,
+            SIDE_IN_LOOP=(2 if cfg.side_on_cuda_cores else 1) if row_side and cfg.side_in_loop else 0,
             OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
             COL_CHECK=col_check,
             FAULT=model,
