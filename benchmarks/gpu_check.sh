@@ -15,6 +15,8 @@
 #   col-parts     where a wgrad's column check costs: its row+col launch with the column side, the column
 #                 partials, their squares or the column blocks' finish left out
 #                 (gemm_diagnose.py --rowcol-parts → results/gemm_diagnose_col_parts.json)
+#   side-cuda     the row side in the K loop on the CUDA cores against the slices after it and the in-loop MMA
+#                 (gemm_diagnose.py --side-groups 1,loop,cuda → results/gemm_diagnose_side_cuda.json)
 #   side-groups   the reference side's slices taken by every g-th tile, g = 1, 2, 4, 8
 #                 (benchmarks/gemm_diagnose.py --side-groups → results/gemm_diagnose_side_groups.json)
 #   side-in-loop  the row side inside the K loop against its slices after it, on the GQA k/v shapes and q/o
@@ -116,6 +118,11 @@ case "${1:-tests-1}" in
       --out benchmarks/results/gemm_diagnose_col_parts.json 2>&1 | grep -v "Warn\|^kernel regs" \
       | tee "$out/gemm_diagnose_col_parts.log" | tail -8
     cp benchmarks/results/gemm_diagnose_col_parts.json "$out/" 2>/dev/null ;;
+  side-cuda)
+    timeout 240 python benchmarks/gemm_diagnose.py --layers gate_up,q_o,8b.o,kv --side-groups 1,loop,cuda \
+      --out benchmarks/results/gemm_diagnose_side_cuda.json 2>&1 | grep -v "Warn\|^kernel regs" \
+      | tee "$out/gemm_diagnose_side_cuda.log" | tail -8
+    cp benchmarks/results/gemm_diagnose_side_cuda.json "$out/" 2>/dev/null ;;
   side-groups)
     timeout 400 python benchmarks/gemm_diagnose.py --layers gate_up,q_o,kv,8b.o --side-groups 1,2,4,8 \
       --out benchmarks/results/gemm_diagnose_side_groups.json 2>&1 | grep -v "Warn\|^kernel regs" \
