@@ -21,7 +21,7 @@ the column partials, their sums of squares, the column blocks' finish: `_COLUMN_
 `--side-groups 1,2,4,8`: the reference side's slices taken by every g-th tile of a block, g times as
 long (TritonGemmConfig.side_group), for each g: the side and partials alone, the training step's
 checked launch, and the wgrad's row+col. The value `loop` is the row side inside every tile's K loop
-instead (TritonGemmConfig.side_in_loop), `cuda` the same on the CUDA cores (side_on_cuda_cores):
+instead (TritonGemmConfig.side_in_loop), `cuda` its slices in the K loop on the CUDA cores (side_on_cuda_cores):
 `--layers kv,7b.kv,70b.kv,q_o --side-groups 1,loop,cuda`.
 
     python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--evidence-parts [--parts a,b] | --warp-specialized
@@ -51,10 +51,11 @@ def variants(case: Case, warp_specialized: bool = False, stages: int | None = No
     warp group for the TMA loads and two consumer warp groups that split the tile's rows; one warp
     group per consumer: num_warps = 4). `side_group`: TritonGemmConfig.side_group (every g-th tile
     computes a reference-side slice g times as long), or "loop": the row side in the K loop
-    (TritonGemmConfig.side_in_loop) as a second MMA, "cuda": there on the CUDA cores (side_on_cuda_cores)."""
+    (TritonGemmConfig.side_in_loop) as a second MMA, "cuda": its slices there on the CUDA cores
+    (side_on_cuda_cores)."""
     a, b, out = case.a, case.b, case.out
     in_loop = side_group in ("loop", "cuda")
-    cfg = dataclasses.replace(case.cfg, side_group=1 if in_loop else side_group, side_in_loop=in_loop,
+    cfg = dataclasses.replace(case.cfg, side_group=1 if in_loop else side_group, side_in_loop=side_group == "loop",
                               side_on_cuda_cores=side_group == "cuda")  # fmt: skip
     kernels = tg
     if warp_specialized:

@@ -58,9 +58,8 @@ def _signature(constexprs: dict) -> dict[str, str]:
 
 def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
     label, a_t, b_t, row_check, col_check, byproduct = kind
-    side_in_loop = (2 if cfg.side_on_cuda_cores else 1) if cfg.side_in_loop else 0
     constexprs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=False, ROW_CHECK=row_check, ROW_SIDE=True, COL_CHECK=col_check,
-                      SIDE_IN_LOOP=side_in_loop, OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
+                      SIDE_IN_LOOP=tg.side_in_loop_mode(cfg), OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
                       FAULT=tg.FAULT_NONE, EVIDENCE=True, TOTALS=cfg.inline_totals, BYPRODUCT=byproduct,
                       SIDE_OUT=byproduct,
                       CAPTURE=(tg.CAPTURE_TILE if col_check else tg.CAPTURE_ROWS) if row_check else tg.CAPTURE_NONE,
@@ -88,10 +87,10 @@ def main() -> None:
     parser.add_argument("--output-sums-mma", action="store_true",
                         help="the rounded output's row sums on the tensor cores (output_sums_mma)")  # fmt: skip
     parser.add_argument("--side-on-cuda-cores", action="store_true",
-                        help="every class's row side in the K loop on the CUDA cores (side_on_cuda_cores)")  # fmt: skip
+                        help="the row side's slices in the K loop on the CUDA cores (side_on_cuda_cores)")  # fmt: skip
     parser.add_argument("--classes", default=",".join(tg.HOPPER_TABLE), help="which classes of HOPPER_TABLE")
     args = parser.parse_args()
-    cuda_side = dict(side_in_loop=True, side_on_cuda_cores=True) if args.side_on_cuda_cores else {}
+    cuda_side = dict(side_on_cuda_cores=True) if args.side_on_cuda_cores else {}
     configs: dict[tuple, list[str]] = {}  # one compile per distinct configuration
     for cls, cfg in tg.HOPPER_TABLE.items():
         if cls not in args.classes.split(","):

@@ -115,15 +115,16 @@ def _load_b(b_desc, off_n, k, B_T: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _main_loop(a_desc, b_desc, s_desc, s_ptr, off_m, off_n, K, k_tiles, A_T: tl.constexpr, B_T: tl.constexpr,
-               SIDE_IN_LOOP: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr):  # fmt: skip
+def _main_loop(a_desc, b_desc, s_desc, s_ptr, off_m, off_n, K, k_tiles, side_lo, side_hi, A_T: tl.constexpr,
+               B_T: tl.constexpr, SIDE_IN_LOOP: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     """acc [BM, BN] = A·B of one tile, its K tiles in one fixed order: the unchecked GEMM's loop, one
     MMA per step (a narrow side MMA on the steps of the tile's K slice, tried on the H200, made the
-    loop 10–50% slower than the side after it). SIDE_IN_LOOP (TritonGemmConfig.side_in_loop): also
-    side [BM, 16] (column 0: A·c, column 3: A·1, as the side MMA's columns add up) over all of K —
-    1: a second MMA A·S on the A tile each step has loaded; 2: on the CUDA cores from the same A
-    tile (`_side_on_cuda_cores`), beside the step's MMA in flight."""
+    loop 10–50% slower than the side after it). With the row side in the loop
+    (TritonGemmConfig.side_in_loop, side_on_cuda_cores) also side [BM, 16], its columns as the side
+    MMA's add up (0: A·c, 3: A·1) — SIDE_IN_LOOP 1: over all of K, a second MMA A·S on the A tile
+    each step has loaded; 2: over K tiles [side_lo, side_hi) (the tile's K slice), on the CUDA cores
+    from the same A tile (`_side_on_cuda_cores`) beside the step's MMA in flight."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     side = tl.zeros((BM, SIDE_N), dtype=tl.float32)
     ref = tl.zeros((BM,), dtype=tl.float32)
@@ -134,7 +135,8 @@ def _main_loop(a_desc, b_desc, s_desc, s_ptr, off_m, off_n, K, k_tiles, A_T: tl.
         if SIDE_IN_LOOP == 1:
             side = tl.dot(a, load_side(s_desc, ki * BK, UPCAST), side)
         if SIDE_IN_LOOP == 2:
-            ref, ones = _side_on_cuda_cores(a, s_ptr, ki * BK, K, ref, ones, BK)
+            if (ki >= side_lo) & (ki < side_hi):
+                ref, ones = _side_on_cuda_cores(a, s_ptr, ki * BK, K, ref, ones, BK)
     if SIDE_IN_LOOP == 2:
         col = tl.arange(0, SIDE_N)[None, :]
         side = tl.where(col == 0, ref[:, None], tl.where(col == 3, ones[:, None], 0.0))
@@ -385,7 +387,7 @@ def checked_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     ROW_CHECK: tl.constexpr,  # row partials (and row evidence)
     ROW_SIDE: tl.constexpr,  # A·c and A·1
-    SIDE_IN_LOOP: tl.constexpr,  # (ROW_SIDE) A·c in the K loop of every tile, one slice: 1 MMA, 2 CUDA cores
+    SIDE_IN_LOOP: tl.constexpr,  # (ROW_SIDE) A·c in the K loop: 1 an MMA over all of K, one slice; 2 CUDA cores, slices
     OUT_SUMS_MMA: tl.constexpr,  # (ROW_CHECK) the rounded output's row sums on the tensor cores (TritonGemmConfig)
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
@@ -430,8 +432,25 @@ def checked_gemm_kernel(
         pid_m, pid_n = _tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
-        acc, side = _main_loop(a_desc, b_desc, side_c_desc, side_c_ptr, off_m, off_n, K, k_tiles, A_T, B_T,
-                               SIDE_IN_LOOP, UPCAST, BM, BN, BK)  # fmt: skip
+        if SIDE_IN_LOOP == 2:
+            # The row side's K slices inside the K loop, on the CUDA cores: this tile's slice (none
+            # where side_group leaves it without one) in one pass; a replay of one tile runs the tile
+            # once per slice — the same loop with the same per-step sums, so every slice's bits are
+            # its owner's (a separate slice loop could sum in another register layout) — and rare.
+            first, stop = _slices_of(pid_n, tiles_n, row_parts, replay)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for part in range(first, tl.maximum(stop, first + 1)):
+                owned = part < stop
+                side_lo = tl.where(owned, part * k_tiles // row_parts, 0)
+                side_hi = tl.where(owned, (part + 1) * k_tiles // row_parts, 0)
+                acc, side = _main_loop(a_desc, b_desc, side_c_desc, side_c_ptr, off_m, off_n, K, k_tiles, side_lo,
+                                       side_hi, A_T, B_T, SIDE_IN_LOOP, UPCAST, BM, BN, BK)  # fmt: skip
+                if owned:
+                    _store_side_part(side, c_scale_ptr, off_m, part, rowref_ptr, rowones_ptr, row_diff, ones_total, M,
+                                     True, TOTALS and ROW_CHECK, TOTALS and (BYPRODUCT or SIDE_OUT), BM)  # fmt: skip
+        else:
+            acc, side = _main_loop(a_desc, b_desc, side_c_desc, side_c_ptr, off_m, off_n, K, k_tiles, 0, 0, A_T, B_T,
+                                   SIDE_IN_LOOP, UPCAST, BM, BN, BK)  # fmt: skip
         offs_m = off_m + tl.arange(0, BM)
         offs_n = off_n + tl.arange(0, BN)
         mask_m = offs_m < M
@@ -473,13 +492,13 @@ def checked_gemm_kernel(
         # With side_group g > 1 (TritonGemmConfig) only every g-th tile of a row (column) block takes a
         # slice, g times as long: row_parts = ⌈tiles_n / g⌉ slices, slice p in the tile of column block
         # p·⌈tiles_n / row_parts⌉ — fewer slice loops, each paying its first loads' latency once.
-        if SIDE_IN_LOOP:  # (set only with ROW_SIDE)
+        if SIDE_IN_LOOP == 1:  # (set only with ROW_SIDE)
             # every tile of the row block computed A·S over all of K in its loop; one slice (row_parts
             # = 1), kept by the tile of column block 0, or by a replay of any tile
             if pid_n == 0 or replay:
                 _store_side_part(side, c_scale_ptr, off_m, 0, rowref_ptr, rowones_ptr, row_diff, ones_total, M, True,
                                  TOTALS and ROW_CHECK, TOTALS and (BYPRODUCT or SIDE_OUT), BM)  # fmt: skip
-        elif ROW_SIDE:
+        elif ROW_SIDE and SIDE_IN_LOOP == 0:
             first, stop = _slices_of(pid_n, tiles_n, row_parts, replay)
             for part in range(first, stop):
                 _side_part(a_desc, side_c_desc, c_scale_ptr, off_m, part, row_parts, k_tiles, rowref_ptr, rowones_ptr,
@@ -558,9 +577,11 @@ class TritonGemmConfig:
     # A — for the narrow classes (tiles_n ≤ 4), where the slice after the loop re-reads 1/tiles_n of
     # A's row block from L2 (`HOPPER_TABLE` has the measurements). The column side stays after the loop.
     side_in_loop: bool = False
-    # With side_in_loop: the in-loop row side on the CUDA cores instead of a second MMA — each K step's
-    # A tile, read from the shared memory the step's MMA reads, times c in fp32 (`_side_on_cuda_cores`),
-    # summed while that MMA is in flight. The K loop keeps one MMA per step and nothing re-reads A.
+    # The row side's K slices inside the K loop on the CUDA cores (overrides side_in_loop): on the K
+    # steps of its slice (slice j in column block j, or as side_group spreads them) a tile multiplies
+    # the step's A tile, read from the shared memory the step's MMA reads, by c in fp32
+    # (`_side_on_cuda_cores`) while that MMA is in flight. The K loop keeps one MMA per step, nothing
+    # re-reads A, and each tile adds work on 1/tiles_n of its steps.
     side_on_cuda_cores: bool = False
     # The rounded output's row sums (`out_part`, what a replay compares to tell whether a fault reached
     # the output) on the tensor cores: a narrow MMA of the output, from the registers the rounding
@@ -691,8 +712,15 @@ def side_parts(tiles: int, cfg: TritonGemmConfig) -> int:
 
 
 def row_side_parts(tiles_n: int, cfg: TritonGemmConfig) -> int:
-    """K slices of the row side over tiles_n tiles: one when it runs in the K loop (`side_in_loop`)."""
-    return 1 if cfg.side_in_loop else side_parts(tiles_n, cfg)
+    """K slices of the row side over tiles_n tiles: one when an MMA in the K loop computes it over all
+    of K (`side_in_loop` without `side_on_cuda_cores`)."""
+    return 1 if side_in_loop_mode(cfg) == 1 else side_parts(tiles_n, cfg)
+
+
+def side_in_loop_mode(cfg: TritonGemmConfig) -> int:
+    """The kernel's SIDE_IN_LOOP: 0 the row side's slices after the K loop, 1 an MMA over all of K in
+    it, 2 its slices in it on the CUDA cores."""
+    return 2 if cfg.side_on_cuda_cores else 1 if cfg.side_in_loop else 0
 
 
 def counters_needed(m: int, n: int, cfg: TritonGemmConfig) -> int:
@@ -979,7 +1007,7 @@ class _Layout:
             HAS_BIAS=bias_dtype is not None,
             ROW_CHECK=row_check,
             ROW_SIDE=row_side,
-            SIDE_IN_LOOP=(2 if cfg.side_on_cuda_cores else 1) if row_side and cfg.side_in_loop else 0,
+            SIDE_IN_LOOP=side_in_loop_mode(cfg) if row_side else 0,
             OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
             COL_CHECK=col_check,
             FAULT=model,
