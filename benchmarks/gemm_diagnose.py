@@ -21,8 +21,9 @@ the column partials, their sums of squares, the column blocks' finish: `_COLUMN_
 `--side-groups 1,2,4,8`: the reference side's slices taken by every g-th tile of a block, g times as
 long (TritonGemmConfig.side_group), for each g: the side and partials alone, the training step's
 checked launch, and the wgrad's row+col. The value `loop` is the row side inside every tile's K loop
-instead (TritonGemmConfig.side_in_loop), `cuda` its slices in the K loop on the CUDA cores (side_on_cuda_cores):
-`--layers kv,7b.kv,70b.kv,q_o --side-groups 1,loop,cuda`.
+instead (TritonGemmConfig.side_in_loop), `cuda` its slices in the K loop on the CUDA cores
+(side_on_cuda_cores), `cuda_rc` the column side's too (col_side_on_cuda_cores):
+`--layers kv,7b.kv,70b.kv,q_o --side-groups 1,loop,cuda,cuda_rc`.
 
     python benchmarks/gemm_diagnose.py [--layers gate_up,q_o] [--evidence-parts [--parts a,b] | --warp-specialized
         | --side-groups 1,2,4 | --rowcol-parts] [--out benchmarks/results/gemm_diagnose.json]
@@ -52,11 +53,12 @@ def variants(case: Case, warp_specialized: bool = False, stages: int | None = No
     group per consumer: num_warps = 4). `side_group`: TritonGemmConfig.side_group (every g-th tile
     computes a reference-side slice g times as long), or "loop": the row side in the K loop
     (TritonGemmConfig.side_in_loop) as a second MMA, "cuda": its slices there on the CUDA cores
-    (side_on_cuda_cores)."""
+    (side_on_cuda_cores), "cuda_rc": the column side's too (col_side_on_cuda_cores)."""
     a, b, out = case.a, case.b, case.out
-    in_loop = side_group in ("loop", "cuda")
+    in_loop = side_group in ("loop", "cuda", "cuda_rc")
     cfg = dataclasses.replace(case.cfg, side_group=1 if in_loop else side_group, side_in_loop=side_group == "loop",
-                              side_on_cuda_cores=side_group == "cuda")  # fmt: skip
+                              side_on_cuda_cores=side_group in ("cuda", "cuda_rc"),
+                              col_side_on_cuda_cores=side_group == "cuda_rc")  # fmt: skip
     kernels = tg
     if warp_specialized:
         kernels = _kernel_module_changed("warp_specialized")
@@ -320,7 +322,7 @@ def main() -> None:
                     row["ws_error"] = str(error).splitlines()[0][:200]
             if args.side_groups:
                 swept = ("side_and_partials", "row_byproduct_inline", "rowcol")
-                groups = (v if v in ("loop", "cuda") else int(v) for v in args.side_groups.split(","))
+                groups = (v if v in ("loop", "cuda", "cuda_rc") else int(v) for v in args.side_groups.split(","))
                 chosen = {"unchecked": chosen["unchecked"]} | {
                     f"{key}_g{g}": fn for g in groups
                     for key, fn in variants(case, side_group=g).items() if key in swept

@@ -16,7 +16,7 @@
 #                 partials, their squares or the column blocks' finish left out
 #                 (gemm_diagnose.py --rowcol-parts → results/gemm_diagnose_col_parts.json)
 #   side-cuda     the row side in the K loop on the CUDA cores against the slices after it and the in-loop MMA
-#                 (gemm_diagnose.py --side-groups 1,loop,cuda → results/gemm_diagnose_side_cuda.json)
+#                 (gemm_diagnose.py --side-groups 1,loop,cuda,cuda_rc → results/gemm_diagnose_side_cuda.json)
 #   side-groups   the reference side's slices taken by every g-th tile, g = 1, 2, 4, 8
 #                 (benchmarks/gemm_diagnose.py --side-groups → results/gemm_diagnose_side_groups.json)
 #   side-in-loop  the row side inside the K loop against its slices after it, on the GQA k/v shapes and q/o
@@ -119,7 +119,7 @@ case "${1:-tests-1}" in
       | tee "$out/gemm_diagnose_col_parts.log" | tail -8
     cp benchmarks/results/gemm_diagnose_col_parts.json "$out/" 2>/dev/null ;;
   side-cuda)
-    timeout 240 python benchmarks/gemm_diagnose.py --layers gate_up,q_o,8b.o,kv --side-groups 1,loop,cuda \
+    timeout 240 python benchmarks/gemm_diagnose.py --layers gate_up,q_o,8b.o,kv --side-groups 1,loop,cuda,cuda_rc \
       --out benchmarks/results/gemm_diagnose_side_cuda.json 2>&1 | grep -v "Warn\|^kernel regs" \
       | tee "$out/gemm_diagnose_side_cuda.log" | tail -8
     cp benchmarks/results/gemm_diagnose_side_cuda.json "$out/" 2>/dev/null ;;

@@ -11,7 +11,8 @@ every tile; the GPU record (`gemm_diagnose.py`, `n_spills`) says the same on the
 
 `--evidence parts` compiles them with `inline_totals` off (the finish sums the tiles' stored parts);
 `--output-sums-mma` with the rounded output's row sums on the tensor cores (`output_sums_mma`);
-`--side-on-cuda-cores` with every class's row side in the K loop on the CUDA cores; `--classes` picks classes.
+`--side-on-cuda-cores` (`--col-side-on-cuda-cores`) with the row (column) side's slices in the K loop on
+the CUDA cores; `--classes` picks classes of `HOPPER_TABLE`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def _signature(constexprs: dict) -> dict[str, str]:
 def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
     label, a_t, b_t, row_check, col_check, byproduct = kind
     constexprs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=False, ROW_CHECK=row_check, ROW_SIDE=True, COL_CHECK=col_check,
-                      SIDE_IN_LOOP=tg.side_in_loop_mode(cfg), OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
+                      SIDE_IN_LOOP=tg.side_in_loop_mode(cfg),
+                      COL_IN_LOOP=col_check and cfg.col_side_on_cuda_cores,
+                      OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
                       FAULT=tg.FAULT_NONE, EVIDENCE=True, TOTALS=cfg.inline_totals, BYPRODUCT=byproduct,
                       SIDE_OUT=byproduct,
                       CAPTURE=(tg.CAPTURE_TILE if col_check else tg.CAPTURE_ROWS) if row_check else tg.CAPTURE_NONE,
@@ -71,6 +74,7 @@ def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
                                                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
     row = {"class": cls, "kind": label, "block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
            "side_in_loop": cfg.side_in_loop, "side_on_cuda_cores": cfg.side_on_cuda_cores,
+           "col_side_on_cuda_cores": cfg.col_side_on_cuda_cores,
            "output_sums_mma": cfg.output_sums_mma,
            "num_stages": cfg.num_stages, "registers": registers, "spill_store_bytes": stores,
            "spill_load_bytes": loads, "inline_totals": cfg.inline_totals,
@@ -88,9 +92,11 @@ def main() -> None:
                         help="the rounded output's row sums on the tensor cores (output_sums_mma)")  # fmt: skip
     parser.add_argument("--side-on-cuda-cores", action="store_true",
                         help="the row side's slices in the K loop on the CUDA cores (side_on_cuda_cores)")  # fmt: skip
+    parser.add_argument("--col-side-on-cuda-cores", action="store_true",
+                        help="the column side's slices in the K loop on the CUDA cores")  # fmt: skip
     parser.add_argument("--classes", default=",".join(tg.HOPPER_TABLE), help="which classes of HOPPER_TABLE")
     args = parser.parse_args()
-    cuda_side = dict(side_on_cuda_cores=True) if args.side_on_cuda_cores else {}
+    cuda_side = dict(side_on_cuda_cores=args.side_on_cuda_cores, col_side_on_cuda_cores=args.col_side_on_cuda_cores)
     configs: dict[tuple, list[str]] = {}  # one compile per distinct configuration
     for cls, cfg in tg.HOPPER_TABLE.items():
         if cls not in args.classes.split(","):

@@ -151,14 +151,15 @@ def test_values_and_checksums_match_the_reference_path(kind, dtype, shape):
 
 def with_side(cfg: tg.TritonGemmConfig, side: int | str) -> tg.TritonGemmConfig:
     """`cfg` with its row side after the K loop in slices of `side` tiles (TritonGemmConfig.side_group),
-    or, "loop", inside the K loop (side_in_loop) as a second MMA; "cuda_loop" its slices inside the
-    K loop on the CUDA cores (side_on_cuda_cores; "cuda_loop_2": every other tile a slice twice as
-    long); "mma_sums": slices of one tile and the rounded output's row sums on the tensor cores
-    (output_sums_mma)."""
+    or, "loop", inside the K loop (side_in_loop) as a second MMA; "cuda_loop" both sides' slices
+    inside the K loop on the CUDA cores (side_on_cuda_cores, col_side_on_cuda_cores; "cuda_loop_2":
+    every other tile a slice twice as long; "cuda_row": the row side's only); "mma_sums": slices of
+    one tile and the rounded output's row sums on the tensor cores (output_sums_mma)."""
     if side == "loop":
         return dataclasses.replace(cfg, side_in_loop=True)
-    if side in ("cuda_loop", "cuda_loop_2"):
-        return dataclasses.replace(cfg, side_on_cuda_cores=True, side_group=2 if side == "cuda_loop_2" else 1)
+    if isinstance(side, str) and side.startswith("cuda_"):
+        return dataclasses.replace(cfg, side_on_cuda_cores=True, col_side_on_cuda_cores=side != "cuda_row",
+                                   side_group=2 if side == "cuda_loop_2" else 1)  # fmt: skip
     if side == "mma_sums":
         return dataclasses.replace(cfg, output_sums_mma=True)
     return dataclasses.replace(cfg, side_group=side)
@@ -168,7 +169,8 @@ def with_side(cfg: tg.TritonGemmConfig, side: int | str) -> tg.TritonGemmConfig:
 @pytest.mark.parametrize(
     ("model", "side"),
     [(tg.FAULT_PERTURB, 1), (tg.FAULT_BITFLIP, 1), (tg.FAULT_BITFLIP, 2), (tg.FAULT_BITFLIP, "loop"),
-     (tg.FAULT_BITFLIP, "cuda_loop"), (tg.FAULT_BITFLIP, "cuda_loop_2"), (tg.FAULT_BITFLIP, "mma_sums")],
+     (tg.FAULT_BITFLIP, "cuda_loop"), (tg.FAULT_BITFLIP, "cuda_loop_2"), (tg.FAULT_BITFLIP, "cuda_row"),
+     (tg.FAULT_BITFLIP, "mma_sums")],
 )  # fmt: skip
 # A flipped exponent bit can make the corrupted element overflow in the bf16 output cast: that inf is
 # the corruption itself, and the interpreter warns about it in numpy.
@@ -201,7 +203,7 @@ def test_a_fault_is_detected_located_captured_and_replayed(kind, model, side):
 @pytest.mark.parametrize(
     ("dtype", "side"),
     [(torch.float16, 1), (torch.float16, 3), (torch.float16, "loop"), (torch.float16, "cuda_loop"),
-     (torch.float16, "cuda_loop_2"), (torch.float16, "mma_sums"),
+     (torch.float16, "cuda_loop_2"), (torch.float16, "cuda_row"), (torch.float16, "mma_sums"),
      pytest.param(torch.float32, 1, marks=pytest.mark.skipif(DEVICE == "cuda", reason="fp32 runs on cuBLAS on a GPU"))],
 )  # fmt: skip
 def test_clean_captures_replay_bit_for_bit(kind, dtype, side):
@@ -370,11 +372,12 @@ def test_the_reference_side_is_spread_over_the_tiles_by_k_slices(kind):
     a, b, flags, logical = orientation(kind, m, k, n, torch.float16, seed=5)
     A64, B64 = logical[0].double().cpu(), logical[1].double().cpu()
     c, u1 = B64.sum(1), A64.sum(0)
-    for block_n, side in ((32, 1), (64, 1), (32, 2), (32, "loop"), (32, "cuda_loop"), (32, "cuda_loop_2")):
+    for block_n, side in ((32, 1), (64, 1), (32, 2), (32, "loop"), (32, "cuda_loop"), (32, "cuda_loop_2"),
+                          (32, "cuda_row")):  # fmt: skip
         cfg = with_side(dataclasses.replace(tg.default_config(), block_n=block_n), side)
         _, res, stats, *_ = launch(a, b, flags, logical, torch.float16, cfg=cfg)
         tiles_m, tiles_n = -(-m // cfg.block_m), -(-n // block_n)
-        group = 2 if side == "cuda_loop_2" else 1 if side == "cuda_loop" else side
+        group = 2 if side == "cuda_loop_2" else 1 if side in ("cuda_loop", "cuda_row") else side
         parts = 1 if side == "loop" else -(-tiles_n // group)
         col_parts = -(-tiles_m // cfg.side_group)  # (the column side's slices follow side_group too)
         assert res.rowref_parts.shape == (parts, m) and res.colref_parts.shape == (col_parts, n)

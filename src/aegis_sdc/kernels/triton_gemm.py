@@ -115,51 +115,72 @@ def _load_b(b_desc, off_n, k, B_T: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _main_loop(a_desc, b_desc, s_desc, s_ptr, off_m, off_n, K, k_tiles, side_lo, side_hi, A_T: tl.constexpr,
-               B_T: tl.constexpr, SIDE_IN_LOOP: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+def _main_loop(a_desc, b_desc, s_desc, s_ptr, u_ptr, off_m, off_n, K, k_tiles, row_lo, row_hi, col_lo, col_hi,
+               A_T: tl.constexpr, B_T: tl.constexpr, SIDE_IN_LOOP: tl.constexpr, COL_IN_LOOP: tl.constexpr,
+               UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     """acc [BM, BN] = A·B of one tile, its K tiles in one fixed order: the unchecked GEMM's loop, one
     MMA per step (a narrow side MMA on the steps of the tile's K slice, tried on the H200, made the
     loop 10–50% slower than the side after it). With the row side in the loop
     (TritonGemmConfig.side_in_loop, side_on_cuda_cores) also side [BM, 16], its columns as the side
     MMA's add up (0: A·c, 3: A·1) — SIDE_IN_LOOP 1: over all of K, a second MMA A·S on the A tile
-    each step has loaded; 2: over K tiles [side_lo, side_hi) (the tile's K slice), on the CUDA cores
-    from the same A tile (`_side_on_cuda_cores`) beside the step's MMA in flight."""
+    each step has loaded; 2: over K tiles [row_lo, row_hi) (the tile's K slice), on the CUDA cores
+    from the same A tile (`_row_side_step`) beside the step's MMA in flight. COL_IN_LOOP (with 2 and a
+    column check): col_side [BN, 16] (column 0: u1ᵀB) over K tiles [col_lo, col_hi) the same way from
+    the B tile (`_col_side_step`)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     side = tl.zeros((BM, SIDE_N), dtype=tl.float32)
     ref = tl.zeros((BM,), dtype=tl.float32)
     ones = tl.zeros((BM,), dtype=tl.float32)
+    col_ref = tl.zeros((BN,), dtype=tl.float32)
     for ki in range(k_tiles):
         a = _load_a(a_desc, off_m, ki * BK, A_T, UPCAST)
-        acc = tl.dot(a, _load_b(b_desc, off_n, ki * BK, B_T, UPCAST), acc)
+        b = _load_b(b_desc, off_n, ki * BK, B_T, UPCAST)
+        acc = tl.dot(a, b, acc)
         if SIDE_IN_LOOP == 1:
             side = tl.dot(a, load_side(s_desc, ki * BK, UPCAST), side)
         if SIDE_IN_LOOP == 2:
-            if (ki >= side_lo) & (ki < side_hi):
-                ref, ones = _side_on_cuda_cores(a, s_ptr, ki * BK, K, ref, ones, BK)
+            if (ki >= row_lo) & (ki < row_hi):
+                ref, ones = _row_side_step(a, s_ptr, ki * BK, K, ref, ones, BK)
+        if COL_IN_LOOP:
+            if (ki >= col_lo) & (ki < col_hi):
+                col_ref = _col_side_step(b, u_ptr, ki * BK, K, col_ref, BK)
+    col = tl.arange(0, SIDE_N)[None, :]
     if SIDE_IN_LOOP == 2:
-        col = tl.arange(0, SIDE_N)[None, :]
         side = tl.where(col == 0, ref[:, None], tl.where(col == 3, ones[:, None], 0.0))
-    return acc, side
+    return acc, side, tl.where(col == 0, col_ref[:, None], 0.0)
 
 
 @triton.jit
-def _side_on_cuda_cores(a, s_ptr, k0, K, ref, ones, BK: tl.constexpr):
-    """One K step of the row side on the CUDA cores: ref += A_tile·c, ones += A_tile·1 [BM], with c
-    [BK] in fp32 from S's three parts (hi + lo + lo2: c·2ᵉ to fp32 precision; gemm_side.py). The A
-    tile [BM, BK] is read from the shared memory the step's MMA reads it from; the products and
-    their per-step sums run while that MMA is in flight, so a tile's K loop keeps one MMA per step
-    (a second, narrow MMA stalled it: SIDE_IN_LOOP = 1). Each row's sum is a fixed tree per step
-    and a chain over the steps: a replay of the tile repeats it bit for bit."""
+def _side_vector(s_ptr, k0, K, BK: tl.constexpr):
+    """v·2ᵉ [BK] in fp32 for K rows k0 … k0 + BK of a side matrix S (gemm_side.py): its three parts
+    added, hi + lo + lo2 (zeros past K)."""
     offs_k = k0 + tl.arange(0, BK)
-    mask = offs_k < K  # (past K the A tile's TMA load is zeros too)
+    mask = offs_k < K
     hi = tl.load(s_ptr + offs_k * SIDE_N, mask=mask, other=0.0).to(tl.float32)
     lo = tl.load(s_ptr + offs_k * SIDE_N + 1, mask=mask, other=0.0).to(tl.float32)
     lo2 = tl.load(s_ptr + offs_k * SIDE_N + 2, mask=mask, other=0.0).to(tl.float32)
+    return hi + lo + lo2
+
+
+@triton.jit
+def _row_side_step(a, s_ptr, k0, K, ref, ones, BK: tl.constexpr):
+    """One K step of the row side on the CUDA cores: ref += A_tile·c, ones += A_tile·1 [BM], c [BK] in
+    fp32 (`_side_vector`). The A tile [BM, BK] is read from the shared memory the step's MMA reads it
+    from; the products and their per-step sums run while that MMA is in flight, so a tile's K loop
+    keeps one MMA per step (a second, narrow MMA stalled it: SIDE_IN_LOOP = 1). Each row's sum is a
+    fixed tree per step and a chain over the steps: a replay of the tile repeats it bit for bit."""
     x = a.to(tl.float32)
-    ref += tl.sum(x * (hi + lo + lo2)[None, :], axis=1)
+    ref += tl.sum(x * _side_vector(s_ptr, k0, K, BK)[None, :], axis=1)
     ones += tl.sum(x, axis=1)
     return ref, ones
+
+
+@triton.jit
+def _col_side_step(b, u_ptr, k0, K, col_ref, BK: tl.constexpr):
+    """One K step of the column side on the CUDA cores: col_ref += u1ᵀ·B_tile [BN], from the B tile
+    [BK, BN] the step's MMA reads (`_row_side_step`'s reasons)."""
+    col_ref += tl.sum(b.to(tl.float32) * _side_vector(u_ptr, k0, K, BK)[:, None], axis=0)
+    return col_ref
 
 
 @triton.jit
@@ -387,7 +408,9 @@ def checked_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     ROW_CHECK: tl.constexpr,  # row partials (and row evidence)
     ROW_SIDE: tl.constexpr,  # A·c and A·1
-    SIDE_IN_LOOP: tl.constexpr,  # (ROW_SIDE) A·c in the K loop: 1 an MMA over all of K, one slice; 2 CUDA cores, slices
+    SIDE_IN_LOOP: tl.constexpr,  # (ROW_SIDE) A·c in the K loop: 1 an MMA over all of K, one slice; 2 its slices on
+    #                              the CUDA cores (TritonGemmConfig)
+    COL_IN_LOOP: tl.constexpr,  # (COL_CHECK) u1ᵀB's slices in the K loop on the CUDA cores (TritonGemmConfig)
     OUT_SUMS_MMA: tl.constexpr,  # (ROW_CHECK) the rounded output's row sums on the tensor cores (TritonGemmConfig)
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
@@ -432,25 +455,40 @@ def checked_gemm_kernel(
         pid_m, pid_n = _tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
-        if SIDE_IN_LOOP == 2:
-            # The row side's K slices inside the K loop, on the CUDA cores: this tile's slice (none
-            # where side_group leaves it without one) in one pass; a replay of one tile runs the tile
-            # once per slice — the same loop with the same per-step sums, so every slice's bits are
-            # its owner's (a separate slice loop could sum in another register layout) — and rare.
+        if SIDE_IN_LOOP == 2 or COL_IN_LOOP:
+            # The reference sides' K slices inside the K loop, on the CUDA cores: this tile's slice of
+            # its row block's row side (SIDE_IN_LOOP 2) and of its column block's column side
+            # (COL_IN_LOOP) — none where side_group leaves it without one — in one pass; a replay of
+            # one tile runs the tile once per slice: the same loop with the same per-step sums, so
+            # every slice's bits are its owner's (a separate slice loop could sum in another register
+            # layout). Replays are rare.
             first, stop = _slices_of(pid_n, tiles_n, row_parts, replay)
+            first_c, stop_c = _slices_of(pid_m, tiles_m, col_parts, replay)
+            rows_in_loop = SIDE_IN_LOOP == 2
+            passes = tl.maximum(
+                tl.maximum(stop - first if rows_in_loop else 0, stop_c - first_c if COL_IN_LOOP else 0), 1
+            )
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for part in range(first, tl.maximum(stop, first + 1)):
-                owned = part < stop
-                side_lo = tl.where(owned, part * k_tiles // row_parts, 0)
-                side_hi = tl.where(owned, (part + 1) * k_tiles // row_parts, 0)
-                acc, side = _main_loop(a_desc, b_desc, side_c_desc, side_c_ptr, off_m, off_n, K, k_tiles, side_lo,
-                                       side_hi, A_T, B_T, SIDE_IN_LOOP, UPCAST, BM, BN, BK)  # fmt: skip
+            side = tl.zeros((BM, SIDE_N), dtype=tl.float32)
+            for r in range(passes):
+                part, part_c = first + r, first_c + r
+                owned = (part < stop) & rows_in_loop
+                owned_c = (part_c < stop_c) & COL_IN_LOOP
+                acc, side, col_side = _main_loop(
+                    a_desc, b_desc, side_c_desc, side_c_ptr, side_u_ptr, off_m, off_n, K, k_tiles,
+                    tl.where(owned, part * k_tiles // row_parts, 0), tl.where(owned, (part + 1) * k_tiles // row_parts, 0),
+                    tl.where(owned_c, part_c * k_tiles // col_parts, 0),
+                    tl.where(owned_c, (part_c + 1) * k_tiles // col_parts, 0), A_T, B_T, SIDE_IN_LOOP, COL_IN_LOOP,
+                    UPCAST, BM, BN, BK)  # fmt: skip
                 if owned:
                     _store_side_part(side, c_scale_ptr, off_m, part, rowref_ptr, rowones_ptr, row_diff, ones_total, M,
                                      True, TOTALS and ROW_CHECK, TOTALS and (BYPRODUCT or SIDE_OUT), BM)  # fmt: skip
+                if owned_c:
+                    _store_side_part(col_side, u_scale_ptr, off_n, part_c, colref_ptr, colref_ptr, col_diff, col_diff,
+                                     N, False, TOTALS, False, BN)  # fmt: skip
         else:
-            acc, side = _main_loop(a_desc, b_desc, side_c_desc, side_c_ptr, off_m, off_n, K, k_tiles, 0, 0, A_T, B_T,
-                                   SIDE_IN_LOOP, UPCAST, BM, BN, BK)  # fmt: skip
+            acc, side, _ = _main_loop(a_desc, b_desc, side_c_desc, side_c_ptr, side_u_ptr, off_m, off_n, K, k_tiles,
+                                      0, 0, 0, 0, A_T, B_T, SIDE_IN_LOOP, False, UPCAST, BM, BN, BK)  # fmt: skip
         offs_m = off_m + tl.arange(0, BM)
         offs_n = off_n + tl.arange(0, BN)
         mask_m = offs_m < M
@@ -504,7 +542,7 @@ def checked_gemm_kernel(
                 _side_part(a_desc, side_c_desc, c_scale_ptr, off_m, part, row_parts, k_tiles, rowref_ptr, rowones_ptr,
                            row_diff, ones_total, M, True, A_T, True, TOTALS and ROW_CHECK,
                            TOTALS and (BYPRODUCT or SIDE_OUT), UPCAST, BM, BK)  # fmt: skip
-        if COL_CHECK:
+        if COL_CHECK and not COL_IN_LOOP:
             first, stop = _slices_of(pid_m, tiles_m, col_parts, replay)
             for part in range(first, stop):
                 _side_part(b_desc, side_u_desc, u_scale_ptr, off_n, part, col_parts, k_tiles, colref_ptr, colref_ptr,
@@ -580,9 +618,13 @@ class TritonGemmConfig:
     # The row side's K slices inside the K loop on the CUDA cores (overrides side_in_loop): on the K
     # steps of its slice (slice j in column block j, or as side_group spreads them) a tile multiplies
     # the step's A tile, read from the shared memory the step's MMA reads, by c in fp32
-    # (`_side_on_cuda_cores`) while that MMA is in flight. The K loop keeps one MMA per step, nothing
+    # (`_row_side_step`) while that MMA is in flight. The K loop keeps one MMA per step, nothing
     # re-reads A, and each tile adds work on 1/tiles_n of its steps.
     side_on_cuda_cores: bool = False
+    # The column side's the same way (a column check: wgrad's row+col): its B tile times u1 on the
+    # steps of its column slice (`_col_side_step`; the sums over the tile's BK rows cross warps, and
+    # the B tile is read into registers on every step).
+    col_side_on_cuda_cores: bool = False
     # The rounded output's row sums (`out_part`, what a replay compares to tell whether a fault reached
     # the output) on the tensor cores: a narrow MMA of the output, from the registers the rounding
     # left it in, against a ones column (`_output_row_sums`) — ~300 fewer instructions per thread in a
@@ -1008,6 +1050,7 @@ class _Layout:
             ROW_CHECK=row_check,
             ROW_SIDE=row_side,
             SIDE_IN_LOOP=side_in_loop_mode(cfg) if row_side else 0,
+            COL_IN_LOOP=col_check and cfg.col_side_on_cuda_cores,
             OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
             COL_CHECK=col_check,
             FAULT=model,
