@@ -137,9 +137,9 @@ _EVIDENCE_CHANGES = {
             1,
         )
     ],
-    # the rounded output's row sums on the tensor cores (TritonGemmConfig.output_sums_mma: a narrow MMA
-    # of the output against a ones column) instead of the CUDA cores
-    "out_sums_mma": [("_output_row_sums(out, OUT_SUMS_MMA, UPCAST, BN)", "_output_row_sums(out, True, UPCAST, BN)", 1)],
+    # the rounded output's row sums in fp32 (each element unpacked and added: the kernel before its
+    # integer checksums of the output's bits, `_output_checksums`)
+    "out_sums_values": [("_output_checksums(out, UPCAST, BN)", "tl.sum(out.to(tl.float32), axis=1)", 1)],
     # no launch verdict at all
     "no_verdict": [
         ("        if ROW_CHECK or COL_CHECK:\n            fence", "        if False:\n            fence", 1)

@@ -9,9 +9,9 @@
 #   evidence-parts  the evidence inside the launch beside it with parts switched off or changed
 #                 (results/gemm_diagnose_evidence_parts.json), then the checked GEMM's
 #                 GPU tests (about 3 minutes) and the inline-against-second-launch shadow of a real step
-#   out-sums      the rounded output's row sums on the tensor cores (TritonGemmConfig.output_sums_mma) against the
-#                 CUDA cores, in the training step's checked launch (results/gemm_diagnose_out_sums.json), then the
-#                 GEMM's GPU tests (replays bit-exact across the shape table, with the option too)
+#   checksums     the output's integer checksums against the row sums of its values in fp32 (the kernel
+#                 before), in the training step's checked launch (results/gemm_diagnose_checksums.json), then
+#                 the GEMM's GPU tests (replays bit-exact across the shape table, the sides' CUDA-core slices too)
 #   col-parts     where a wgrad's column check costs: its row+col launch with the column side, the column
 #                 partials, their squares or the column blocks' finish left out
 #                 (gemm_diagnose.py --rowcol-parts → results/gemm_diagnose_col_parts.json)
@@ -106,12 +106,12 @@ case "${1:-tests-1}" in
     timeout 200 python benchmarks/evidence_shadow.py --out benchmarks/results/evidence_shadow.json 2>&1 | grep -v Warn \
       | tee "$out/evidence_shadow.log" | tail -6
     cp benchmarks/results/evidence_shadow.json "$out/" ;;
-  out-sums)
-    timeout 240 python benchmarks/gemm_diagnose.py --evidence-parts --layers gate_up,q_o,8b.o,kv --parts out_sums_mma \
-      --out benchmarks/results/gemm_diagnose_out_sums.json 2>&1 | grep -v "Warn\|^kernel regs" \
-      | tee "$out/gemm_diagnose_out_sums.log" | tail -10
-    cp benchmarks/results/gemm_diagnose_out_sums.json "$out/" 2>/dev/null
-    timeout 300 python -m pytest -q -m gpu tests/test_triton_gemm.py tests/test_triton_linear.py -p no:cacheprovider 2>&1 \
+  checksums)
+    timeout 200 python benchmarks/gemm_diagnose.py --evidence-parts --layers gate_up,q_o,8b.o,kv --parts out_sums_values \
+      --out benchmarks/results/gemm_diagnose_checksums.json 2>&1 | grep -v "Warn\|^kernel regs" \
+      | tee "$out/gemm_diagnose_checksums.log" | tail -10
+    cp benchmarks/results/gemm_diagnose_checksums.json "$out/" 2>/dev/null
+    timeout 330 python -m pytest -q -m gpu tests/test_triton_gemm.py tests/test_triton_linear.py -p no:cacheprovider 2>&1 \
       | tee "$out/gemm_gpu_tests.log" | tail -8 ;;
   col-parts)
     timeout 150 python benchmarks/gemm_diagnose.py --rowcol-parts --layers gate_up,q_o,8b.o \

@@ -10,7 +10,6 @@ every tile; the GPU record (`gemm_diagnose.py`, `n_spills`) says the same on the
     python benchmarks/kernel_registers.py [--evidence totals|parts] [--out benchmarks/results/kernel_registers.json]
 
 `--evidence parts` compiles them with `inline_totals` off (the finish sums the tiles' stored parts);
-`--output-sums-mma` with the rounded output's row sums on the tensor cores (`output_sums_mma`);
 `--side-on-cuda-cores` (`--col-side-on-cuda-cores`) with the row (column) side's slices in the K loop on
 the CUDA cores; `--classes` picks classes of `HOPPER_TABLE`.
 """
@@ -62,7 +61,6 @@ def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
     constexprs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=False, ROW_CHECK=row_check, ROW_SIDE=True, COL_CHECK=col_check,
                       SIDE_IN_LOOP=tg.side_in_loop_mode(cfg),
                       COL_IN_LOOP=col_check and cfg.col_side_on_cuda_cores,
-                      OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
                       FAULT=tg.FAULT_NONE, EVIDENCE=True, TOTALS=cfg.inline_totals, BYPRODUCT=byproduct,
                       SIDE_OUT=byproduct,
                       CAPTURE=(tg.CAPTURE_TILE if col_check else tg.CAPTURE_ROWS) if row_check else tg.CAPTURE_NONE,
@@ -75,7 +73,7 @@ def measure(cls: str, cfg: tg.TritonGemmConfig, kind: tuple) -> dict:
     row = {"class": cls, "kind": label, "block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
            "side_in_loop": cfg.side_in_loop, "side_on_cuda_cores": cfg.side_on_cuda_cores,
            "col_side_on_cuda_cores": cfg.col_side_on_cuda_cores,
-           "output_sums_mma": cfg.output_sums_mma,
+
            "num_stages": cfg.num_stages, "registers": registers, "spill_store_bytes": stores,
            "spill_load_bytes": loads, "inline_totals": cfg.inline_totals,
            "compile_s": round(time.perf_counter() - started, 1)}  # fmt: skip
@@ -88,8 +86,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_registers.json")
     parser.add_argument("--evidence", choices=["totals", "parts"], default="totals",
                         help="inside the launch: fp64 totals by atomics, or parts summed at the finish")  # fmt: skip
-    parser.add_argument("--output-sums-mma", action="store_true",
-                        help="the rounded output's row sums on the tensor cores (output_sums_mma)")  # fmt: skip
     parser.add_argument("--side-on-cuda-cores", action="store_true",
                         help="the row side's slices in the K loop on the CUDA cores (side_on_cuda_cores)")  # fmt: skip
     parser.add_argument("--col-side-on-cuda-cores", action="store_true",
@@ -106,7 +102,7 @@ def main() -> None:
     rows = []
     for classes in configs.values():
         cfg = dataclasses.replace(tg.HOPPER_TABLE[classes[0]], inline_totals=args.evidence == "totals",
-                                  output_sums_mma=args.output_sums_mma, **cuda_side)  # fmt: skip
+                                  **cuda_side)  # fmt: skip
         rows += [measure(",".join(classes), cfg, kind) for kind in KINDS]
     ptxas = bundled_tool("ptxas-blackwell", "ptxas").rsplit("/", 1)[-1]
     env = {"triton": triton.__version__, "target": "sm_90a", "ptxas": ptxas,

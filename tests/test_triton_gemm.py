@@ -153,15 +153,12 @@ def with_side(cfg: tg.TritonGemmConfig, side: int | str) -> tg.TritonGemmConfig:
     """`cfg` with its row side after the K loop in slices of `side` tiles (TritonGemmConfig.side_group),
     or, "loop", inside the K loop (side_in_loop) as a second MMA; "cuda_loop" both sides' slices
     inside the K loop on the CUDA cores (side_on_cuda_cores, col_side_on_cuda_cores; "cuda_loop_2":
-    every other tile a slice twice as long; "cuda_row": the row side's only); "mma_sums": slices of
-    one tile and the rounded output's row sums on the tensor cores (output_sums_mma)."""
+    every other tile a slice twice as long; "cuda_row": the row side's only)."""
     if side == "loop":
         return dataclasses.replace(cfg, side_in_loop=True)
     if isinstance(side, str) and side.startswith("cuda_"):
         return dataclasses.replace(cfg, side_on_cuda_cores=True, col_side_on_cuda_cores=side != "cuda_row",
                                    side_group=2 if side == "cuda_loop_2" else 1)  # fmt: skip
-    if side == "mma_sums":
-        return dataclasses.replace(cfg, output_sums_mma=True)
     return dataclasses.replace(cfg, side_group=side)
 
 
@@ -169,8 +166,7 @@ def with_side(cfg: tg.TritonGemmConfig, side: int | str) -> tg.TritonGemmConfig:
 @pytest.mark.parametrize(
     ("model", "side"),
     [(tg.FAULT_PERTURB, 1), (tg.FAULT_BITFLIP, 1), (tg.FAULT_BITFLIP, 2), (tg.FAULT_BITFLIP, "loop"),
-     (tg.FAULT_BITFLIP, "cuda_loop"), (tg.FAULT_BITFLIP, "cuda_loop_2"), (tg.FAULT_BITFLIP, "cuda_row"),
-     (tg.FAULT_BITFLIP, "mma_sums")],
+     (tg.FAULT_BITFLIP, "cuda_loop"), (tg.FAULT_BITFLIP, "cuda_loop_2"), (tg.FAULT_BITFLIP, "cuda_row")],
 )  # fmt: skip
 # A flipped exponent bit can make the corrupted element overflow in the bf16 output cast: that inf is
 # the corruption itself, and the interpreter warns about it in numpy.
@@ -203,7 +199,7 @@ def test_a_fault_is_detected_located_captured_and_replayed(kind, model, side):
 @pytest.mark.parametrize(
     ("dtype", "side"),
     [(torch.float16, 1), (torch.float16, 3), (torch.float16, "loop"), (torch.float16, "cuda_loop"),
-     (torch.float16, "cuda_loop_2"), (torch.float16, "cuda_row"), (torch.float16, "mma_sums"),
+     (torch.float16, "cuda_loop_2"), (torch.float16, "cuda_row"),
      pytest.param(torch.float32, 1, marks=pytest.mark.skipif(DEVICE == "cuda", reason="fp32 runs on cuBLAS on a GPU"))],
 )  # fmt: skip
 def test_clean_captures_replay_bit_for_bit(kind, dtype, side):
@@ -220,24 +216,43 @@ def test_clean_captures_replay_bit_for_bit(kind, dtype, side):
     assert capture.exact_violations() == 1
 
 
+def output_checksums(out: torch.Tensor, bn: int) -> torch.Tensor:
+    """The kernel's `out_part` of a 16-bit output [M, N] computed on the host: per row and column
+    tile, the wrapping int32 sum of the elements' bit patterns taken two at a time (columns 2i and
+    2i + 1, the first in the low half), the top byte XORed into the low 24 bits, as fp32 [tiles_n, M]."""
+    bits = out.cpu().view(torch.int16).to(torch.int64) & 0xFFFF
+    pairs = bits[:, 0::2] | (bits[:, 1::2] << 16)  # [M, N/2]
+    sums = torch.stack([pairs[:, j // 2 : (j + bn) // 2].sum(1) for j in range(0, out.shape[1], bn)])
+    total = sums & 0xFFFFFFFF  # int32 wrap-around
+    return ((total & 0xFFFFFF) ^ ((total >> 24) & 0xFF)).to(torch.float32)
+
+
 @pytest.mark.parametrize("kind", ["fwd", "wgrad"])
-def test_the_output_sums_on_the_tensor_cores_are_the_rounded_outputs_row_sums(kind):
-    # out_part per tile with output_sums_mma against the CUDA cores' sums of the same rounded output:
-    # both fp32 sums of the same BN values in different orders (an MMA, a tree), so within
-    # 2·BN·u32 of the sum of their magnitudes — a wrong ones column or a lost element is far outside.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_output_checksums_are_the_sums_of_the_rounded_outputs_bits(kind, dtype):
+    # out_part per tile against the host's checksum of the output the launch stored: equal exactly
+    # (integer sums), whatever order the kernel summed in.
     m, k, n = 64, 48, 96
-    dtype = torch.float16
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=5)
     cfg = tg.config_for(m, n, k)
-    out_plain, plain = launch(a, b, flags, logical, dtype, cfg=cfg)[:2]
-    out_mma, mma = launch(a, b, flags, logical, dtype, cfg=dataclasses.replace(cfg, output_sums_mma=True))[:2]
-    assert torch.equal(out_plain, out_mma)  # the output itself does not change
-    bn = cfg.block_n
-    magnitude = out_plain.double().abs()
-    tiles = torch.stack([magnitude[:, j : j + bn].sum(1) for j in range(0, n, bn)])  # [tiles_n, M] Σ|out|
-    bound = 2 * bn * U32 * tiles + 1e-30
-    assert torch.all((mma.out_part.double() - plain.out_part.double()).abs().cpu() <= bound.cpu())
-    assert torch.equal(plain.row_part, mma.row_part)  # the accumulator's own sums are untouched
+    out, res = launch(a, b, flags, logical, dtype, cfg=cfg)[:2]
+    assert torch.equal(res.out_part.cpu(), output_checksums(out, cfg.block_n))
+
+
+def test_one_changed_output_element_always_moves_its_rows_checksum():
+    # Every single-bit flip of every element of a row of 32 bf16 values (all 16 bit positions, at
+    # even and odd columns: low and high halves of a pair) moves the row's checksum, from rows whose
+    # sums sit at the fold's edges (2²⁴ − 1, carries into the top byte) as well as ordinary ones.
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randn(32, generator=gen).to(torch.bfloat16).view(torch.int16) for _ in range(3)]
+    rows += [torch.full((32,), -1, dtype=torch.int16), torch.full((32,), 0x7FFF, dtype=torch.int16)]
+    for row in rows:
+        base = output_checksums(row.view(torch.bfloat16)[None], 32)
+        for col in range(32):
+            for bit in range(16):
+                flipped = row.clone()
+                flipped[col] ^= torch.tensor(1 << bit, dtype=torch.int32).to(torch.int16)
+                assert not torch.equal(output_checksums(flipped.view(torch.bfloat16)[None], 32), base), (col, bit)
 
 
 def test_launches_are_deterministic_and_counters_reset():
@@ -538,7 +553,7 @@ SHAPE_TABLE = [(2048, 2048, 256), (2048, 8192, 128), (8192, 3584, 512), (4096, 4
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("side", [1, 4, "loop", "cuda_loop", "mma_sums"])
+@pytest.mark.parametrize("side", [1, 4, "loop", "cuda_loop"])
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
 @pytest.mark.parametrize("shape", SHAPE_TABLE, ids=lambda s: "x".join(map(str, s)))
 def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape, side):
@@ -547,17 +562,18 @@ def test_gpu_replay_is_bit_exact_across_the_shape_table(kind, shape, side):
     # a column check, its column); the replay differs from the capture in the faulted row and column
     # only: every other accumulator sum and both reference sides are bit for bit the original's. With
     # side 4, every fourth tile of a block computes the side's slices; "loop", every tile the row side
-    # in its K loop ("cuda_loop": on the CUDA cores); "mma_sums", the rounded output's row sums on the
-    # tensor cores (TritonGemmConfig).
+    # in its K loop ("cuda_loop": both sides' slices in it on the CUDA cores; TritonGemmConfig). The
+    # output's checksums are the host's of the stored output (the pairs as the rounding packs them).
     m, k, n = shape
     dtype = torch.bfloat16
     a, b, flags, logical = orientation(kind, m, k, n, dtype, seed=11)
     rows, cols = logical[0].shape[0], logical[1].shape[1]
     col = kind != "dgrad"  # wgrad's default column check, and the forward's optional one
     cfg = with_side(tg.config_for(rows, cols, logical[0].shape[1]), side)
-    *_, stats, _, _ = launch(a, b, flags, logical, dtype, thresholds=(1e9, 1e9), col=col, cfg=cfg)
+    out, res, stats, _, _ = launch(a, b, flags, logical, dtype, thresholds=(1e9, 1e9), col=col, cfg=cfg)
     clean = decode(stats)
     assert clean["alarm"] == 0 and clean["nonfinite"] == 0, clean
+    assert torch.equal(res.out_part.cpu(), output_checksums(out, cfg.block_n))
     fault_row, fault_col = rows - 1, cols - 1
     fault = (tg.FAULT_BITFLIP, fault_row, fault_col, 0.0, 1 << 26)
     thresholds = (4 * clean["row"], 4 * clean["col"] if col else 1e9)

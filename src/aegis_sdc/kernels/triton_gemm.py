@@ -15,9 +15,12 @@ replays bit for bit). What the checks add rides on work the kernel already does:
   the loop stalled its pipeline, and in a single wave every other tile waited for those.) The
   slices are summed in fp64 in a fixed order by the evidence. A column check does the same with
   Bᵀ·S(u1), u1 = 1ᵀA, slice i in the tiles of row block i. No second pass over an activation.
+  (Options, TritonGemmConfig: the row side over all of K as a second MMA in the K loop,
+  `side_in_loop`; either side's slices inside the K loop on the CUDA cores, `side_on_cuda_cores`,
+  `col_side_on_cuda_cores`.)
 - epilogue: per tile, the row sums and row sums of squares of the fp32 accumulator before rounding
-  and the row sums of the rounded output (`_output_row_sums`; optionally a narrow MMA of the output
-  against a ones column) — `row_part`, `rsq_part`, `out_part` [tiles_n, M] — and for a
+  and a checksum of each row of the rounded output (`_output_checksums`: integer sums of its bits)
+  — `row_part`, `rsq_part`, `out_part` [tiles_n, M] — and for a
   column check the column sums and sums of squares, `col_part`, `csq_part` [tiles_m, N]. A row's
   difference is scaled by the accumulator row's own norm ‖C_i‖: for products of independent signs
   E‖C_i‖² = Σ_k A_ik²‖B_k,:‖², the reference path's scale (kernels/reference.py), here free in the
@@ -231,21 +234,30 @@ def _slices_of(block, tiles, parts, replay):
 
 
 @triton.jit
-def _output_row_sums(out, MMA: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr):
-    """Σ_j of the rounded output [BM, BN] per row. With MMA (TritonGemmConfig.output_sums_mma) on the
-    tensor cores: out · E, E [BN, 16] a ones column beside zeros, an fp32 accumulation in the MMA's
-    fixed order. On Hopper the MMA takes `out` from the registers the accumulator's rounding left it
-    in (the accumulator's layout is the A operand's, as FlashAttention-3 feeds P to P·V), so no
-    element is rounded on its own, unpacked, converted back to fp32 and added on the CUDA cores:
-    ~300 instructions per thread fewer in a 128 × 256 forward tile's epilogue (sm_90a, Triton 3.6).
-    Otherwise a tree sum in fp32. Replays compare these sums bit for bit against a run of the same
-    kernel, so only their determinism matters, not their order."""
-    if not MMA or out.dtype == tl.float32:  # (fp32 outputs: an MMA would take them as tf32)
-        return tl.sum(out.to(tl.float32), axis=1)
-    ones = ((tl.arange(0, BN)[:, None] >= 0) & (tl.arange(0, SIDE_N)[None, :] == 0)).to(out.dtype)
-    # (the interpreter multiplies bf16 bit patterns: it takes the values in fp32)
-    sums = tl.dot(out.to(tl.float32), ones.to(tl.float32)) if UPCAST else tl.dot(out, ones)
-    return tl.sum(tl.where(tl.arange(0, SIDE_N)[None, :] == 0, sums, 0.0), axis=1)
+def _output_checksums(out, UPCAST: tl.constexpr, BN: tl.constexpr):
+    """A checksum of each row of the rounded output [BM, BN] (`out_part`), what a replay compares to
+    tell whether a fault reached the output: the wrapping int32 sum of the row's 16-bit elements
+    taken two at a time as 32 bits (columns 2i and 2i + 1, the first in the low half), folded to 24
+    bits (the top byte XORed into the low one) so that it is exact as fp32. A change to one
+    element's bits always moves it (a change δ of the pattern moves the sum by δ or δ·2¹⁶, |δ| < 2¹⁶,
+    and the fold keeps such moves apart), and integer sums do not depend on their order, so a replay
+    reproduces it bit for bit by construction. On the GPU each pair is the 32-bit register the
+    rounding packs it in (inline PTX: no element unpacked); in the interpreter the same sum from
+    the elements. Against the row sums of the values in fp32 — each element rounded on its own,
+    unpacked and added — ~320 SASS instructions per thread fewer in a 128 × 256 forward tile's
+    epilogue (sm_90a, Triton 3.6); fp32 outputs (interpreter tests) keep the fp32 row sums."""
+    if out.dtype == tl.float32:
+        return tl.sum(out, axis=1)
+    if UPCAST:
+        bits = out.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        lo, hi = tl.split(tl.reshape(bits, (bits.shape[0], BN // 2, 2)))
+        pairs = lo | (hi << 16)
+    else:
+        pairs = tl.inline_asm_elementwise(
+            "mov.b32 $0, $2;\n mov.b32 $1, 0;", "=r,=r,r", [out], dtype=tl.int32, is_pure=True, pack=2
+        )  # fmt: skip  (the pair's bits, then a zero)
+    total = tl.sum(pairs, axis=1)
+    return ((total & 0xFFFFFF) ^ ((total >> 24) & 0xFF)).to(tl.float32)
 
 
 @triton.jit
@@ -370,7 +382,7 @@ def checked_gemm_kernel(
     u_scale_ptr,  # fp32 [1]: 2ᵉ of S(u1)
     row_part_ptr,  # [tiles_n, M] fp32 out: Σ_j acc per tile
     rsq_part_ptr,  # [tiles_n, M] fp32 out: Σ_j acc² per tile
-    out_part_ptr,  # [tiles_n, M] fp32 out: Σ_j of the rounded output per tile
+    out_part_ptr,  # [tiles_n, M] fp32 out: a checksum of the rounded output's row per tile (_output_checksums)
     col_part_ptr,  # [tiles_m, N] fp32 out: Σ_i acc per tile
     csq_part_ptr,  # [tiles_m, N] fp32 out: Σ_i acc² per tile
     rowref_ptr,  # [row_parts, M] fp64 out: A·c per K slice (slice j from the tiles of column block j)
@@ -411,7 +423,6 @@ def checked_gemm_kernel(
     SIDE_IN_LOOP: tl.constexpr,  # (ROW_SIDE) A·c in the K loop: 1 an MMA over all of K, one slice; 2 its slices on
     #                              the CUDA cores (TritonGemmConfig)
     COL_IN_LOOP: tl.constexpr,  # (COL_CHECK) u1ᵀB's slices in the K loop on the CUDA cores (TritonGemmConfig)
-    OUT_SUMS_MMA: tl.constexpr,  # (ROW_CHECK) the rounded output's row sums on the tensor cores (TritonGemmConfig)
     COL_CHECK: tl.constexpr,  # column partials and u1ᵀB (and column evidence)
     FAULT: tl.constexpr,
     EVIDENCE: tl.constexpr,  # evidence and by-product finished inside this launch (gemm_evidence)
@@ -513,7 +524,7 @@ def checked_gemm_kernel(
             _store_partials(acc, 1, row_part_ptr + pid_n * M, rsq_part_ptr + pid_n * M, offs_m, mask_m, row_diff,
                             row_sq_total, TOTALS)  # fmt: skip
         if ROW_CHECK:
-            tl.store(out_part_ptr + pid_n * M + offs_m, _output_row_sums(out, OUT_SUMS_MMA, UPCAST, BN), mask=mask_m)
+            tl.store(out_part_ptr + pid_n * M + offs_m, _output_checksums(out, UPCAST, BN), mask=mask_m)
         c_desc.store([off_m, off_n], out)
         if COL_CHECK:
             if ROW_CHECK:
@@ -625,13 +636,6 @@ class TritonGemmConfig:
     # steps of its column slice (`_col_side_step`; the sums over the tile's BK rows cross warps, and
     # the B tile is read into registers on every step).
     col_side_on_cuda_cores: bool = False
-    # The rounded output's row sums (`out_part`, what a replay compares to tell whether a fault reached
-    # the output) on the tensor cores: a narrow MMA of the output, from the registers the rounding
-    # left it in, against a ones column (`_output_row_sums`) — ~300 fewer instructions per thread in a
-    # forward tile's epilogue on sm_90a — instead of unpacking, converting and adding each element on
-    # the CUDA cores. Off until the device has timed it and run the replay tests with it
-    # (`benchmarks/gpu_check.sh out-sums`): a replay compares these sums bit for bit.
-    output_sums_mma: bool = False
 
 
 # Hopper: 128×256×64 tiles, 8 warps, 3 stages run bf16 GEMMs at cuBLAS speed on the H200.
@@ -1051,7 +1055,6 @@ class _Layout:
             ROW_SIDE=row_side,
             SIDE_IN_LOOP=side_in_loop_mode(cfg) if row_side else 0,
             COL_IN_LOOP=col_check and cfg.col_side_on_cuda_cores,
-            OUT_SUMS_MMA=row_check and cfg.output_sums_mma,
             COL_CHECK=col_check,
             FAULT=model,
             EVIDENCE=inline,
@@ -1098,7 +1101,7 @@ class GemmLaunch:
 
     row_part: torch.Tensor | None  # [tiles_n, M] Σ_j acc
     rsq_part: torch.Tensor | None  # [tiles_n, M] Σ_j acc²
-    out_part: torch.Tensor | None  # [tiles_n, M] Σ_j of the rounded output
+    out_part: torch.Tensor | None  # [tiles_n, M] the rounded output's row checksums (_output_checksums)
     col_part: torch.Tensor | None  # [tiles_m, N] Σ_i acc
     csq_part: torch.Tensor | None  # [tiles_m, N] Σ_i acc²
     rowref_parts: torch.Tensor | None  # [row_parts, M] fp64: A·c per K slice

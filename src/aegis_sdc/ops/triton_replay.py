@@ -77,7 +77,7 @@ class TritonRegion:
     """One execution of a captured region, in the kernel's own units (fp32 per-tile partials)."""
 
     row_part: torch.Tensor  # [tiles, R]: Σ acc over each column tile
-    out_part: torch.Tensor  # [tiles, R]: Σ of the rounded output over each column tile
+    out_part: torch.Tensor  # [tiles, R]: checksum of the rounded output's row in each column tile (its bits)
     ref_part: torch.Tensor  # [tiles_n, R]: A·c per K slice
     col_part: torch.Tensor  # [1, C] or empty: Σ acc over the tile's rows
     colref_part: torch.Tensor  # [tiles_m, C] or empty: u1ᵀB per K slice
