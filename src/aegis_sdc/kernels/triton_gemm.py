@@ -127,9 +127,9 @@ def _main_loop(a_desc, b_desc, s_desc, s_ptr, u_ptr, off_m, off_n, K, k_tiles, r
     (TritonGemmConfig.side_in_loop, side_on_cuda_cores) also side [BM, 16], its columns as the side
     MMA's add up (0: A·c, 3: A·1) — SIDE_IN_LOOP 1: over all of K, a second MMA A·S on the A tile
     each step has loaded; 2: over K tiles [row_lo, row_hi) (the tile's K slice), on the CUDA cores
-    from the same A tile (`_row_side_step`) beside the step's MMA in flight. COL_IN_LOOP (with 2 and a
-    column check): col_side [BN, 16] (column 0: u1ᵀB) over K tiles [col_lo, col_hi) the same way from
-    the B tile (`_col_side_step`)."""
+    from the same A tile (`_row_side_step`) beside the step's MMA in flight. COL_IN_LOOP (a column
+    check with col_side_on_cuda_cores): col_side [BN, 16] (column 0: u1ᵀB) over K tiles [col_lo,
+    col_hi) the same way from the B tile (`_col_side_step`)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     side = tl.zeros((BM, SIDE_N), dtype=tl.float32)
     ref = tl.zeros((BM,), dtype=tl.float32)
