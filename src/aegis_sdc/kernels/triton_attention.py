@@ -1077,7 +1077,7 @@ def forward(q, k, v, scale: float, causal: bool, fault: HeadFault | None = None,
     n, heads, group = _layout(q, k, heads)
     sq, d = q.shape[-2:]
     sk = k.shape[-2]
-    cfg = config_for(d).fwd
+    cfg = config_for(d, masked=mask is not None).fwd
     q_blocks = ceil_div(sq, cfg.block_m)
     out = torch.empty(n, sq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(n, sq, dtype=torch.float32, device=q.device)

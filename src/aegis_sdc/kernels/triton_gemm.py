@@ -124,12 +124,12 @@ def _main_loop(a_desc, b_desc, s_desc, s_ptr, u_ptr, off_m, off_n, K, k_tiles, r
     """acc [BM, BN] = A·B of one tile, its K tiles in one fixed order: the unchecked GEMM's loop, one
     MMA per step (a narrow side MMA on the steps of the tile's K slice, tried on the H200, made the
     loop 10–50% slower than the side after it). With the row side in the loop
-    (TritonGemmConfig.side_in_loop, side_on_cuda_cores) also side [BM, 16], its columns as the side
-    MMA's add up (0: A·c, 3: A·1) — SIDE_IN_LOOP 1: over all of K, a second MMA A·S on the A tile
-    each step has loaded; 2: over K tiles [row_lo, row_hi) (the tile's K slice), on the CUDA cores
-    from the same A tile (`_row_side_step`) beside the step's MMA in flight. COL_IN_LOOP (a column
-    check with col_side_on_cuda_cores): col_side [BN, 16] (column 0: u1ᵀB) over K tiles [col_lo,
-    col_hi) the same way from the B tile (`_col_side_step`)."""
+    (TritonGemmConfig.side_in_loop, side_on_cuda_cores) also — SIDE_IN_LOOP 1: side [BM, 16] = A·S
+    over all of K, a second MMA on the A tile each step has loaded; 2: ref = A·(c·2ᵉ) and ones = A·1
+    [BM] in fp32 over K tiles [row_lo, row_hi) (the tile's K slice), on the CUDA cores from the same A
+    tile (`_row_side_step`) beside the step's MMA in flight. COL_IN_LOOP (a column check with
+    col_side_on_cuda_cores): col_ref = (u1·2ᵉ)ᵀB [BN] over K tiles [col_lo, col_hi) the same way from
+    the B tile (`_col_side_step`). Returns (acc, side, ref, ones, col_ref)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     side = tl.zeros((BM, SIDE_N), dtype=tl.float32)
     ref = tl.zeros((BM,), dtype=tl.float32)
@@ -147,10 +147,7 @@ def _main_loop(a_desc, b_desc, s_desc, s_ptr, u_ptr, off_m, off_n, K, k_tiles, r
         if COL_IN_LOOP:
             if (ki >= col_lo) & (ki < col_hi):
                 col_ref = _col_side_step(b, u_ptr, ki * BK, K, col_ref, BK)
-    col = tl.arange(0, SIDE_N)[None, :]
-    if SIDE_IN_LOOP == 2:
-        side = tl.where(col == 0, ref[:, None], tl.where(col == 3, ones[:, None], 0.0))
-    return acc, side, tl.where(col == 0, col_ref[:, None], 0.0)
+    return acc, side, ref, ones, col_ref
 
 
 @triton.jit
@@ -207,10 +204,18 @@ def _side_part(x_desc, s_desc, scale_ptr, off, part, parts, k_tiles, ref_ptr, on
 @triton.jit
 def _store_side_part(side, scale_ptr, off, part, ref_ptr, ones_ptr, diff_total_ptr, ones_total_ptr, size,
                      ONES: tl.constexpr, REF_TOTAL: tl.constexpr, ONES_TOTAL: tl.constexpr, R: tl.constexpr):  # fmt: skip
-    """A side slice's X·S [R, 16] in fp64 to ref_ptr[part, off:off+R] (and the ones column to
-    ones_ptr), and where the evidence inside the launch reads them, subtracted from the difference
-    totals and the ones added to theirs (gemm_evidence.finish_rows)."""
+    """A side slice's X·S [R, 16] in fp64 (`side_columns`), stored by `_store_side_values`."""
     ref, ones = side_columns(side.to(tl.float64), tl.load(scale_ptr))
+    _store_side_values(ref, ones, off, part, ref_ptr, ones_ptr, diff_total_ptr, ones_total_ptr, size, ONES,
+                       REF_TOTAL, ONES_TOTAL, R)  # fmt: skip
+
+
+@triton.jit
+def _store_side_values(ref, ones, off, part, ref_ptr, ones_ptr, diff_total_ptr, ones_total_ptr, size,
+                       ONES: tl.constexpr, REF_TOTAL: tl.constexpr, ONES_TOTAL: tl.constexpr, R: tl.constexpr):  # fmt: skip
+    """A side slice's values [R] in fp64 — X·v and X·1 — to ref_ptr[part, off:off+R] (and ones_ptr),
+    and where the evidence inside the launch reads them, subtracted from the difference totals and
+    the ones added to theirs (gemm_evidence.finish_rows)."""
     offs = off + tl.arange(0, R)
     mask = offs < size
     tl.store(ref_ptr + part * size + offs, ref, mask=mask)
@@ -485,21 +490,24 @@ def checked_gemm_kernel(
                 part, part_c = first + r, first_c + r
                 owned = (part < stop) & rows_in_loop
                 owned_c = (part_c < stop_c) & COL_IN_LOOP
-                acc, side, col_side = _main_loop(
+                acc, side, ref, ones, col_ref = _main_loop(
                     a_desc, b_desc, side_c_desc, side_c_ptr, side_u_ptr, off_m, off_n, K, k_tiles,
                     tl.where(owned, part * k_tiles // row_parts, 0), tl.where(owned, (part + 1) * k_tiles // row_parts, 0),
                     tl.where(owned_c, part_c * k_tiles // col_parts, 0),
                     tl.where(owned_c, (part_c + 1) * k_tiles // col_parts, 0), A_T, B_T, SIDE_IN_LOOP, COL_IN_LOOP,
                     UPCAST, BM, BN, BK)  # fmt: skip
-                if owned:
-                    _store_side_part(side, c_scale_ptr, off_m, part, rowref_ptr, rowones_ptr, row_diff, ones_total, M,
-                                     True, TOTALS and ROW_CHECK, TOTALS and (BYPRODUCT or SIDE_OUT), BM)  # fmt: skip
-                if owned_c:
-                    _store_side_part(col_side, u_scale_ptr, off_n, part_c, colref_ptr, colref_ptr, col_diff, col_diff,
-                                     N, False, TOTALS, False, BN)  # fmt: skip
+                if owned:  # (÷ 2ᵉ: the scale S's parts carry, a power of two — exact)
+                    _store_side_values(ref.to(tl.float64) / tl.load(c_scale_ptr).to(tl.float64), ones.to(tl.float64),
+                                       off_m, part, rowref_ptr, rowones_ptr, row_diff, ones_total, M, True,
+                                       TOTALS and ROW_CHECK, TOTALS and (BYPRODUCT or SIDE_OUT), BM)  # fmt: skip
+                if owned_c:  # (no ones column on the column side)
+                    col_ref64 = col_ref.to(tl.float64) / tl.load(u_scale_ptr).to(tl.float64)
+                    _store_side_values(col_ref64, col_ref64, off_n, part_c, colref_ptr, colref_ptr, col_diff, col_diff,
+                                       N, False, TOTALS, False, BN)  # fmt: skip
         else:
-            acc, side, _ = _main_loop(a_desc, b_desc, side_c_desc, side_c_ptr, side_u_ptr, off_m, off_n, K, k_tiles,
-                                      0, 0, 0, 0, A_T, B_T, SIDE_IN_LOOP, False, UPCAST, BM, BN, BK)  # fmt: skip
+            acc, side, _, _, _ = _main_loop(a_desc, b_desc, side_c_desc, side_c_ptr, side_u_ptr, off_m, off_n, K,
+                                            k_tiles, 0, 0, 0, 0, A_T, B_T, SIDE_IN_LOOP, False, UPCAST, BM, BN,
+                                            BK)  # fmt: skip
         offs_m = off_m + tl.arange(0, BM)
         offs_n = off_n + tl.arange(0, BN)
         mask_m = offs_m < M
